@@ -1,0 +1,33 @@
+"""The one place where events become bytes and bytes become events."""
+
+from __future__ import annotations
+
+import orjson
+from pydantic import TypeAdapter, ValidationError
+
+from stream.core.events import Event
+
+__all__ = ["MalformedEvent", "decode_event", "encode_event"]
+
+_EVENT = TypeAdapter(Event)
+
+
+class MalformedEvent(ValueError):
+    """A record on the log is not a valid event of a known version."""
+
+
+def encode_event(event: Event) -> bytes:
+    """Serialize an event for the log (orjson, version field included)."""
+    return orjson.dumps(event.model_dump(exclude_none=True))
+
+
+def decode_event(raw: bytes | None) -> Event:
+    """Parse and validate one record value; raise ``MalformedEvent`` if it is not an event."""
+    if raw is None:
+        raise MalformedEvent("empty record")
+    try:
+        return _EVENT.validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "record"
+        raise MalformedEvent(f"{where}: {first['msg']}") from None

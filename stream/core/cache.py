@@ -1,0 +1,260 @@
+"""Per-endpoint LRU state as a fold over the event log.
+
+``CacheState.apply(event, position)`` is the only way state changes. It is
+deterministic in the events and their log positions, and it skips any event at
+or below the last applied offset of its partition, so redelivery after a crash
+changes nothing. Each call returns the ``Effects`` a durable store must write to
+mirror the change entry by entry (never a whole LRU per placement).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from stream.core.events import (
+    EndpointDeleted,
+    EndpointsSynced,
+    Event,
+    ItemsPlaced,
+    Position,
+)
+from stream.core.items import Item
+
+__all__ = [
+    "DEFAULT_CACHE_MB",
+    "MB_PER_ITEM",
+    "CacheState",
+    "Capacity",
+    "Effects",
+    "EndpointCache",
+    "EndpointMatch",
+    "EndpointSummary",
+    "Entry",
+]
+
+DEFAULT_CACHE_MB = 2048
+MB_PER_ITEM = 2
+
+
+class Capacity(NamedTuple):
+    """How much one endpoint's LRU holds: a count of items or a sum of item sizes."""
+
+    mode: Literal["items", "size"]
+    per_endpoint: int
+
+    @classmethod
+    def from_params(
+        cls, cache_size_mb: int | None = None, embeddings: int | None = None
+    ) -> Capacity:
+        """Build from the Go plugin's parameters; setting both is an error."""
+        if cache_size_mb is not None and embeddings is not None:
+            raise ValueError(
+                "set either cacheSizeInMBPerServer or cacheSizeInEmbeddingsPerServer, not both"
+            )
+        if embeddings is not None:
+            if embeddings < 1:
+                raise ValueError("cacheSizeInEmbeddingsPerServer must be at least 1")
+            return cls("size", embeddings)
+        mb = cache_size_mb if cache_size_mb is not None and cache_size_mb > 0 else DEFAULT_CACHE_MB
+        return cls("items", max(1, mb // MB_PER_ITEM))
+
+    def admits(self, size: int) -> bool:
+        """Whether an item of this size may be recorded at all."""
+        return self.mode == "items" or size <= self.per_endpoint
+
+    def exceeded_by(self, cache: EndpointCache) -> bool:
+        """Whether the LRU must evict its least-recent entry."""
+        used = len(cache.entries) if self.mode == "items" else cache.weight
+        return used > self.per_endpoint
+
+
+class Entry(NamedTuple):
+    """One durable LRU entry; ``(offset, index)`` orders entries by recency."""
+
+    endpoint: str
+    hash: str
+    size: int
+    offset: int
+    index: int
+
+
+@dataclass(slots=True)
+class Effects:
+    """What a store must do, in order, to mirror one applied event."""
+
+    upserts: list[Entry] = field(default_factory=list)
+    removals: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EndpointCache:
+    """One endpoint's LRU: item hash -> size, least recent first."""
+
+    partition: int
+    entries: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    weight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMatch:
+    """The match data attached to one candidate endpoint (EncoderCacheMatchInfo)."""
+
+    endpoint: str
+    matched_items: list[Item]
+    matched_weight: int
+    total_weight: int
+    score: float
+
+
+class EndpointSummary(NamedTuple):
+    """Counts for one endpoint, without its hashes."""
+
+    endpoint: str
+    items: int
+    weight: int
+
+
+class CacheState:
+    """All endpoints' LRUs plus an inverted index (hash -> endpoints) for matching."""
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.endpoints: dict[str, EndpointCache] = {}
+        self.holders: dict[str, set[str]] = {}
+        self.applied: dict[int, int] = {}
+
+    # -- the fold ---------------------------------------------------------------
+
+    def apply(self, event: Event, position: Position) -> Effects | None:
+        """Apply one event at its log position; ``None`` if it was already applied."""
+        partition, offset = position
+        if offset <= self.applied.get(partition, -1):
+            return None
+        self.applied[partition] = offset
+        effects = Effects()
+        if isinstance(event, ItemsPlaced):
+            self._place(event, position, effects)
+        elif isinstance(event, EndpointDeleted):
+            self._drop(event.endpoint, effects)
+        elif isinstance(event, EndpointsSynced):
+            if event.live:
+                live = set(event.live)
+                stale = [
+                    name
+                    for name, cache in self.endpoints.items()
+                    if cache.partition == partition and name not in live
+                ]
+                for name in stale:
+                    self._drop(name, effects)
+        return effects
+
+    def _place(self, event: ItemsPlaced, position: Position, effects: Effects) -> None:
+        name = event.endpoint
+        cache = self.endpoints.get(name)
+        if cache is None:
+            cache = self.endpoints[name] = EndpointCache(position.partition)
+        entries = cache.entries
+        for index, item in enumerate(event.items):
+            if not self.capacity.admits(item.size):
+                continue
+            previous = entries.pop(item.hash, None)
+            if previous is None:
+                self.holders.setdefault(item.hash, set()).add(name)
+            else:
+                cache.weight -= previous
+            entries[item.hash] = item.size
+            cache.weight += item.size
+            effects.upserts.append(Entry(name, item.hash, item.size, position.offset, index))
+        while self.capacity.exceeded_by(cache):
+            evicted, size = entries.popitem(last=False)
+            cache.weight -= size
+            self._release(evicted, name)
+            effects.removals.append((name, evicted))
+        if not entries:
+            del self.endpoints[name]
+
+    def _drop(self, name: str, effects: Effects) -> None:
+        cache = self.endpoints.pop(name, None)
+        if cache is None:
+            return
+        for digest in cache.entries:
+            self._release(digest, name)
+            effects.removals.append((name, digest))
+
+    def _release(self, digest: str, name: str) -> None:
+        holders = self.holders[digest]
+        holders.discard(name)
+        if not holders:
+            del self.holders[digest]
+
+    # -- loading from a store ------------------------------------------------------
+
+    def restore(self, partition: int, applied: int | None, entries: Iterable[Entry]) -> None:
+        """Load one partition's durable entries (any order) and its applied offset."""
+        by_endpoint: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_endpoint.setdefault(entry.endpoint, []).append(entry)
+        for name, group in by_endpoint.items():
+            group.sort(key=lambda e: (e.offset, e.index))
+            cache = self.endpoints[name] = EndpointCache(partition)
+            for entry in group:
+                cache.entries[entry.hash] = entry.size
+                cache.weight += entry.size
+                self.holders.setdefault(entry.hash, set()).add(name)
+        if applied is not None:
+            self.applied[partition] = applied
+
+    def entries(self) -> Iterable[tuple[int, Entry]]:
+        """Every entry with its partition, ranked so that ``restore`` rebuilds this state."""
+        for name, cache in self.endpoints.items():
+            for index, (digest, size) in enumerate(cache.entries.items()):
+                yield cache.partition, Entry(name, digest, size, 0, index)
+
+    # -- queries ---------------------------------------------------------------------
+
+    def match(self, items: Sequence[Item], endpoints: Iterable[str]) -> list[EndpointMatch]:
+        """Score each distinct endpoint, in request order, by the items it holds."""
+        if not items:
+            return []
+        total = sum(item.size for item in items)
+        held = [(item, self.holders.get(item.hash)) for item in items]
+        results = []
+        for name in dict.fromkeys(endpoints):
+            matched = [item for item, holders in held if holders and name in holders]
+            weight = sum(item.size for item in matched)
+            results.append(EndpointMatch(name, matched, weight, total, weight / total))
+        return results
+
+    def summary(self, limit: int) -> list[EndpointSummary]:
+        """Endpoints with most items first, then by name."""
+        rows = [
+            EndpointSummary(name, len(cache.entries), cache.weight)
+            for name, cache in self.endpoints.items()
+        ]
+        rows.sort(key=lambda row: (-row.items, row.endpoint))
+        return rows[:limit]
+
+    def digest(self) -> str:
+        """Hash of every endpoint's entries in recency order, with sizes.
+
+        Strings are length-prefixed so that no two different states encode alike.
+        """
+        h = hashlib.sha256()
+        for name in sorted(self.endpoints):
+            cache = self.endpoints[name]
+            _put(h, name)
+            h.update(len(cache.entries).to_bytes(8, "big"))
+            for digest, size in cache.entries.items():
+                _put(h, digest)
+                h.update(size.to_bytes(8, "big"))
+        return h.hexdigest()
+
+
+def _put(h: hashlib._Hash, text: str) -> None:
+    raw = text.encode()
+    h.update(len(raw).to_bytes(4, "big"))
+    h.update(raw)

@@ -1,0 +1,154 @@
+"""Multimodal items and their extraction from a request body.
+
+The extraction rules mirror the Go plugin byte for byte (CONTRACT, "Extracting
+items from a request body") so that a mixed fleet agrees on every hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import Field
+
+__all__ = ["MAX_ITEM_SIZE", "InvalidField", "Item", "extract_items", "media_hash"]
+
+MAX_ITEM_SIZE = 2**31 - 1
+
+
+class InvalidField(ValueError):
+    """A request names a field whose value breaks a rule; nothing was changed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One unique multimodal input of a request."""
+
+    hash: Annotated[str, Field(min_length=1)]
+    size: Annotated[int, Field(ge=1, le=MAX_ITEM_SIZE)]
+    modality: str
+
+
+def media_hash(block_type: str, reference: str) -> str:
+    """Hash a chat-completions media reference as the Go plugin does."""
+    return hashlib.sha256(f"{block_type}\x00{reference}".encode()).hexdigest()
+
+
+def extract_items(body: Any, path: str = "body") -> list[Item]:
+    """Return the request's unique items, in order of first occurrence.
+
+    The first source that yields at least one item wins: ``tokenized``, then
+    ``generate``, then ``chat_completions``. A malformed source raises
+    :class:`InvalidField` naming the field, even when an earlier source wins,
+    so that bad input is never half-accepted.
+    """
+    if not isinstance(body, Mapping):
+        raise InvalidField(path, "must be a JSON object")
+    found: list[list[Item]] = []
+    for key, source in _SOURCES:
+        value = body.get(key)
+        if value is not None:
+            found.append(_unique(source(value, f"{path}.{key}")))
+    for items in found:
+        if items:
+            return items
+    return []
+
+
+def _unique(items: Iterator[Item]) -> list[Item]:
+    seen: dict[str, Item] = {}
+    for item in items:
+        seen.setdefault(item.hash, item)
+    return list(seen.values())
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], path: str, what: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InvalidField(path, f"must be {what}")
+    return value
+
+
+def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
+    _expect(value, Mapping, path, "an object")
+    prompts = _expect(value.get("prompts", []), list, f"{path}.prompts", "an array")
+    for p, prompt in enumerate(prompts):
+        ppath = f"{path}.prompts[{p}]"
+        _expect(prompt, Mapping, ppath, "an object")
+        features = prompt.get("mm_features") or []
+        _expect(features, list, f"{ppath}.mm_features", "an array")
+        for f, feature in enumerate(features):
+            fpath = f"{ppath}.mm_features[{f}]"
+            _expect(feature, Mapping, fpath, "an object")
+            digest = _expect(feature.get("hash", ""), str, f"{fpath}.hash", "a string")
+            if not digest:
+                continue
+            modality = _expect(feature.get("modality", ""), str, f"{fpath}.modality", "a string")
+            length = feature.get("length")
+            if length is not None:
+                _expect(length, int, f"{fpath}.length", "an integer")
+            size = length if length is not None and length >= 1 else 1
+            if size > MAX_ITEM_SIZE:
+                raise InvalidField(f"{fpath}.length", f"must be at most {MAX_ITEM_SIZE}")
+            yield Item(digest, size, modality)
+
+
+def _from_generate(value: Any, path: str) -> Iterator[Item]:
+    _expect(value, Mapping, path, "an object")
+    features = _expect(value.get("features", {}), Mapping, f"{path}.features", "an object")
+    mm_hashes = features.get("mm_hashes") or {}
+    _expect(mm_hashes, Mapping, f"{path}.features.mm_hashes", "an object")
+    for modality, hashes in mm_hashes.items():
+        hpath = f"{path}.features.mm_hashes.{modality}"
+        _expect(hashes or [], list, hpath, "an array of strings")
+        for i, digest in enumerate(hashes or []):
+            _expect(digest, str, f"{hpath}[{i}]", "a string")
+            if digest:
+                yield Item(digest, 1, modality)
+
+
+_URL_BLOCKS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+
+
+def _from_chat(value: Any, path: str) -> Iterator[Item]:
+    _expect(value, Mapping, path, "an object")
+    messages = _expect(value.get("messages", []), list, f"{path}.messages", "an array")
+    for m, message in enumerate(messages):
+        mpath = f"{path}.messages[{m}]"
+        _expect(message, Mapping, mpath, "an object")
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for b, block in enumerate(content):
+            bpath = f"{mpath}.content[{b}]"
+            _expect(block, Mapping, bpath, "an object")
+            kind = block.get("type")
+            if kind in _URL_BLOCKS:
+                url = _block_url(block.get(kind), f"{bpath}.{kind}", bare_string=kind == "image_url")
+                yield Item(media_hash(kind, url), 1, _URL_BLOCKS[kind])
+            elif kind == "input_audio":
+                apath = f"{bpath}.input_audio"
+                audio = _expect(block.get(kind), Mapping, apath, "an object")
+                data = _expect(audio.get("data"), str, f"{apath}.data", "a string")
+                fmt = _expect(audio.get("format"), str, f"{apath}.format", "a string")
+                yield Item(media_hash(kind, f"{fmt}:{data}"), 1, "audio")
+
+
+def _block_url(value: Any, path: str, *, bare_string: bool) -> str:
+    if bare_string and isinstance(value, str):
+        return value
+    _expect(value, Mapping, path, "an object with a url")
+    return str(_expect(value.get("url"), str, f"{path}.url", "a string"))
+
+
+_SOURCES: tuple[tuple[str, Callable[[Any, str], Iterator[Item]]], ...] = (
+    ("tokenized", _from_tokenized),
+    ("generate", _from_generate),
+    ("chat_completions", _from_chat),
+)
