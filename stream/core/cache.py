@@ -129,12 +129,19 @@ class CacheState:
 
     # -- the fold ---------------------------------------------------------------
 
-    def apply(self, event: Event, position: Position) -> Effects | None:
-        """Apply one event at its log position; ``None`` if it was already applied."""
+    def advance(self, position: Position) -> bool:
+        """Mark a log position as applied; ``False`` if it already was (a redelivery)."""
         partition, offset = position
         if offset <= self.applied.get(partition, -1):
-            return None
+            return False
         self.applied[partition] = offset
+        return True
+
+    def apply(self, event: Event, position: Position) -> Effects | None:
+        """Apply one event at its log position; ``None`` if it was already applied."""
+        if not self.advance(position):
+            return None
+        partition = position.partition
         effects = Effects()
         if isinstance(event, ItemsPlaced):
             self._place(event, position, effects)
@@ -192,6 +199,12 @@ class CacheState:
             del self.holders[digest]
 
     # -- loading from a store ------------------------------------------------------
+
+    def clear(self) -> None:
+        """Forget everything, before loading another set of partitions."""
+        self.endpoints.clear()
+        self.holders.clear()
+        self.applied.clear()
 
     def restore(self, partition: int, applied: int | None, entries: Iterable[Entry]) -> None:
         """Load one partition's durable entries (any order) and its applied offset."""

@@ -7,13 +7,13 @@ items from a request body") so that a mixed fleet agrees on every hash.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import Field
 
-__all__ = ["MAX_ITEM_SIZE", "InvalidField", "Item", "extract_items", "media_hash"]
+__all__ = ["MAX_ITEM_SIZE", "InvalidField", "Item", "extract_items", "media_hash", "unique_items"]
 
 MAX_ITEM_SIZE = 2**31 - 1
 
@@ -55,14 +55,15 @@ def extract_items(body: Any, path: str = "body") -> list[Item]:
     for key, source in _SOURCES:
         value = body.get(key)
         if value is not None:
-            found.append(_unique(source(value, f"{path}.{key}")))
+            found.append(unique_items(source(value, f"{path}.{key}")))
     for items in found:
         if items:
             return items
     return []
 
 
-def _unique(items: Iterator[Item]) -> list[Item]:
+def unique_items(items: Iterable[Item]) -> list[Item]:
+    """Drop repeated hashes; the first occurrence wins and keeps its place."""
     seen: dict[str, Item] = {}
     for item in items:
         seen.setdefault(item.hash, item)

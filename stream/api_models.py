@@ -1,0 +1,158 @@
+"""Pydantic models of every HTTP body (requests and responses), per CONTRACT.
+
+Shapes are checked here; the configurable limits (counts and lengths) are checked by
+``check_limits`` so that one schema serves every deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stream.config import Limits
+from stream.core.events import EndpointName
+from stream.core.items import InvalidField, Item
+
+__all__ = [
+    "EndpointDeletedRequest",
+    "EndpointEventRequest",
+    "EndpointMatchBody",
+    "EndpointStateBody",
+    "EndpointsSyncRequest",
+    "ErrorBody",
+    "EventsAccepted",
+    "MatchRequest",
+    "MatchResponse",
+    "PlacementRequest",
+    "StateResponse",
+    "check_limits",
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MatchRequest(_Body):
+    """The scheduler's produce call: which candidate endpoints hold this request's items."""
+
+    endpoints: list[EndpointName]
+    body: dict[str, Any]
+    request_id: str | None = None
+
+
+class PlacementRequest(_Body):
+    """The gateway's pre-request call: the request was sent to ``endpoints``."""
+
+    request_id: str | None = None
+    endpoints: list[EndpointName] = Field(min_length=1)
+    items: list[Item] | None = None
+    body: dict[str, Any] | None = None
+
+
+class EndpointDeletedRequest(_Body):
+    """An endpoint is gone."""
+
+    type: Literal["deleted"]
+    endpoint: EndpointName
+
+
+class EndpointsSyncRequest(_Body):
+    """Only these endpoints are live."""
+
+    type: Literal["sync"]
+    live: list[EndpointName]
+
+
+EndpointEventRequest = Annotated[
+    EndpointDeletedRequest | EndpointsSyncRequest, Field(discriminator="type")
+]
+
+
+class EndpointMatchBody(_Body):
+    """Match data for one endpoint (the plugin's EncoderCacheMatchInfo)."""
+
+    endpoint: str
+    matched_items: list[Item]
+    matched_weight: int
+    total_weight: int
+    score: float
+
+
+class MatchResponse(_Body):
+    """Answer to ``POST /v1/match``."""
+
+    request_items: list[Item]
+    endpoints: list[EndpointMatchBody]
+
+
+class EventsAccepted(_Body):
+    """202 answer: how many events the log acknowledged."""
+
+    events: int
+
+
+class EndpointStateBody(_Body):
+    """Counts for one endpoint; hashes are never exposed."""
+
+    endpoint: str
+    items: int
+    weight: int
+
+
+class CapacityBody(_Body):
+    """Per-endpoint capacity."""
+
+    mode: Literal["items", "size"]
+    per_endpoint: int
+
+
+class StateResponse(_Body):
+    """Answer to ``GET /v1/state``."""
+
+    endpoints: list[EndpointStateBody]
+    total_endpoints: int
+    capacity: CapacityBody
+    digest: str
+
+
+class ErrorDetail(_Body):
+    """What went wrong, naming the field or the limit."""
+
+    code: str
+    message: str
+
+
+class ErrorBody(_Body):
+    """Every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+def check_limits(
+    limits: Limits,
+    endpoints: list[str] | None = None,
+    items: list[Item] | None = None,
+    field: str = "endpoints",
+    items_field: str = "items",
+) -> None:
+    """Raise ``InvalidField`` naming the first configured limit the request breaks."""
+    if endpoints is not None:
+        if len(endpoints) > limits.max_endpoints:
+            raise InvalidField(field, f"at most {limits.max_endpoints} endpoints (max_endpoints)")
+        for i, name in enumerate(endpoints):
+            if len(name) > limits.max_endpoint_chars:
+                raise InvalidField(
+                    f"{field}[{i}]",
+                    f"at most {limits.max_endpoint_chars} characters (max_endpoint_chars)",
+                )
+    if items is not None:
+        if len(items) > limits.max_items:
+            raise InvalidField(items_field, f"at most {limits.max_items} items (max_items)")
+        for i, item in enumerate(items):
+            if len(item.hash) > limits.max_hash_chars:
+                raise InvalidField(
+                    f"{items_field}[{i}].hash",
+                    f"at most {limits.max_hash_chars} characters (max_hash_chars)",
+                )

@@ -1,0 +1,142 @@
+"""`mmcache` command line: serve, broker, rebuild (CONTRACT, "Command line")."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from stream.config import Settings, load_plugin_config
+from stream.kafka.embedded import EmbeddedBroker
+
+__all__ = ["main"]
+
+log = logging.getLogger("mmcache")
+
+_CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """Flags win over MMCACHE_* variables, which win over the --config file."""
+    values: dict[str, Any] = {}
+    if args.config:
+        values = {
+            key: value
+            for key, value in load_plugin_config(Path(args.config)).items()
+            if f"MMCACHE_{key.upper()}" not in os.environ
+        }
+    flags = {
+        key: getattr(args, key)
+        for key in ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic",
+                    "partitions", *_CAPACITY_KEYS)
+        if getattr(args, key, None) is not None
+    }
+    if any(key in flags for key in _CAPACITY_KEYS):
+        for key in _CAPACITY_KEYS:
+            values.pop(key, None)
+    try:
+        return Settings(**{**values, **flags})
+    except ValidationError as exc:
+        raise SystemExit(f"configuration error: {exc}") from None
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from stream.kafka.tansu import apply_remedies, is_tansu
+    from stream.kafka.topics import ensure_events_topic
+    from stream.worker import build_worker, check_data_dir
+
+    settings = _settings(args)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    broker = None
+    bootstrap = settings.bootstrap_servers
+    if not bootstrap:
+        broker = EmbeddedBroker().start()
+        bootstrap = broker.bootstrap_servers
+        log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker "
+                    "(Tansu, memory only) on %s for development", bootstrap)
+    try:
+        embedded = loop.run_until_complete(is_tansu(bootstrap))
+        if embedded:
+            apply_remedies()
+        check_data_dir(settings, fresh=broker is not None)
+        partitions = loop.run_until_complete(
+            ensure_events_topic(bootstrap, settings.events_topic, settings.partitions,
+                                settings.replication_factor)
+        )
+        build_worker(settings, bootstrap, partitions, embedded=embedded).execute_from_commandline()
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def _broker(args: argparse.Namespace) -> None:
+    broker = EmbeddedBroker(port=args.port, host=args.host).start()
+    print(f"embedded Kafka-protocol broker listening on {broker.bootstrap_servers}", flush=True)
+    try:
+        sys.exit(broker.wait())
+    except KeyboardInterrupt:
+        broker.stop()
+
+
+def _rebuild(args: argparse.Namespace) -> None:
+    from stream.rebuild import rebuild
+
+    settings = _settings(args)
+    digest = asyncio.run(rebuild(settings, until_offset=args.until_offset))
+    print(digest)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmcache", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run a worker with its HTTP API")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--app-id")
+    serve.add_argument("--data-dir", type=Path)
+    serve.add_argument("--bootstrap-servers")
+    serve.add_argument("--topic")
+    serve.add_argument("--partitions", type=int)
+    capacity = serve.add_mutually_exclusive_group()
+    capacity.add_argument("--cache-size-mb-per-server", type=int)
+    capacity.add_argument("--cache-size-embeddings-per-server", type=int)
+    serve.add_argument("--config", help="YAML with the Go plugin's parameter names")
+    serve.set_defaults(run=_serve)
+
+    broker = commands.add_parser("broker", help="run the embedded broker alone")
+    broker.add_argument("--port", type=int, default=9092)
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.set_defaults(run=_broker)
+
+    rebuild = commands.add_parser("rebuild", help="rebuild the state by replaying the log")
+    rebuild.add_argument("--bootstrap-servers", required=True)
+    rebuild.add_argument("--data-dir", type=Path, required=True)
+    rebuild.add_argument("--app-id")
+    rebuild.add_argument("--topic")
+    rebuild.add_argument("--config")
+    capacity = rebuild.add_mutually_exclusive_group()
+    capacity.add_argument("--cache-size-mb-per-server", type=int)
+    capacity.add_argument("--cache-size-embeddings-per-server", type=int)
+    rebuild.add_argument("--until-offset", type=int, default=None,
+                         help="replay only offsets <= this in every partition")
+    rebuild.set_defaults(run=_rebuild)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `mmcache` command."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

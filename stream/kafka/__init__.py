@@ -1,0 +1,1 @@
+"""Adapters for the event log: the embedded broker, topic set-up, publishing, Tansu remedies."""

@@ -1,0 +1,98 @@
+"""Client-side remedies for the embedded Tansu broker, applied only when it is the peer.
+
+Measured deviations from Kafka (see BROKER.md) and what is done here about them:
+
+1. ListOffsets(LATEST) answers the newest batch's base offset + 1, too low when that
+   batch holds several records, which breaks Faust's recovery. The end offsets are
+   taken from a Fetch response's high watermark instead.
+2. An idle fetch is not woken when data arrives; it returns after about half its
+   max wait. Consumers' fetch wait is capped so that events reach the state fast.
+
+Group timing is not a deviation to patch but a setting: see ``stream.worker``.
+Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
+cluster id before anything is patched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any
+
+from aiokafka import AIOKafkaClient
+from aiokafka.consumer.fetcher import Fetcher
+from aiokafka.protocol.fetch import FetchRequest
+from aiokafka.protocol.metadata import MetadataRequest
+from aiokafka.structs import TopicPartition
+
+__all__ = ["FETCH_WAIT_MS", "apply_remedies", "is_tansu"]
+
+FETCH_WAIT_MS = 10
+
+log = logging.getLogger(__name__)
+_applied = False
+
+
+async def is_tansu(bootstrap_servers: str) -> bool:
+    """Ask the cluster for its id; Tansu's ids contain 'tansu'."""
+    client = AIOKafkaClient(bootstrap_servers=bootstrap_servers)
+    try:
+        await client.bootstrap()
+        node_id = client.get_random_node()
+        response = await client.send(node_id, MetadataRequest([]))
+        cluster_id = getattr(response, "cluster_id", None) or ""
+    finally:
+        await client.close()
+    return "tansu" in cluster_id.lower()
+
+
+async def _end_offsets_from_fetch(
+    self: Fetcher, partitions: list[TopicPartition], timeout_ms: int
+) -> dict[TopicPartition, int]:
+    """End offsets as the high watermarks of a one-byte fetch of each partition."""
+    async with asyncio.timeout(timeout_ms / 1000 if timeout_ms else None):
+        while True:
+            await self._client._maybe_wait_metadata()
+            by_node: dict[int, dict[str, list[tuple[int, int, int]]]] = collections.defaultdict(
+                lambda: collections.defaultdict(list)
+            )
+            missing = False
+            for tp in partitions:
+                node_id = self._client.cluster.leader_for_partition(tp)
+                if node_id is None or node_id == -1:
+                    self._client.add_topic(tp.topic)
+                    missing = True
+                else:
+                    by_node[node_id][tp.topic].append((tp.partition, 0, 1))
+            if missing:
+                await self._client.force_metadata_update()
+                continue
+            offsets: dict[TopicPartition, int] = {}
+            for node_id, topics in by_node.items():
+                request = FetchRequest(1, 0, 1, self._isolation_level, list(topics.items()))
+                response = await self._client.send(node_id, request)
+                for topic, parts in response.topics:
+                    for partition, _error, highwater, *_rest in parts:
+                        if highwater >= 0:
+                            offsets[TopicPartition(topic, partition)] = highwater
+            if len(offsets) == len(set(partitions)):
+                return offsets
+            await asyncio.sleep(self._retry_backoff)
+
+
+def apply_remedies() -> None:
+    """Patch aiokafka in this process for Tansu; idempotent."""
+    global _applied
+    if _applied:
+        return
+    original_init = Fetcher.__init__
+
+    def init_with_short_wait(self: Fetcher, *args: Any, **kwargs: Any) -> None:
+        kwargs["fetch_max_wait_ms"] = min(kwargs.get("fetch_max_wait_ms", 500), FETCH_WAIT_MS)
+        original_init(self, *args, **kwargs)
+
+    Fetcher.__init__ = init_with_short_wait  # type: ignore[method-assign]
+    Fetcher.end_offsets = _end_offsets_from_fetch  # type: ignore[method-assign]
+    _applied = True
+    log.info("embedded Tansu broker detected: end offsets from fetch, fetch wait %d ms", FETCH_WAIT_MS)
