@@ -1,0 +1,167 @@
+"""Integration fixtures: a real Kafka-protocol broker per test session and real
+`mmcache serve` processes (Faust worker, RocksDB files, HTTP) with unique app ids.
+
+MMCACHE_BOOTSTRAP_SERVERS points the same tests at a real Kafka instead of the
+embedded Tansu broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stream.kafka.embedded import EmbeddedBroker, free_port
+
+pytestmark = pytest.mark.integration
+
+READY_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Kafka-protocol broker for the whole session."""
+    external = os.environ.get("MMCACHE_BOOTSTRAP_SERVERS")
+    if external:
+        yield external
+        return
+    log_file = tmp_path_factory.mktemp("broker") / "tansu.log"
+    with EmbeddedBroker(log_file=log_file) as broker:
+        yield broker.bootstrap_servers
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+    """One HTTP call; returns (status, parsed JSON or text)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, payload.decode()
+
+
+def eventually(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05) -> Any:
+    """Poll until ``check`` returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
+        time.sleep(interval)
+
+
+class Service:
+    """One `mmcache serve` child process."""
+
+    def __init__(self, bootstrap: str, data_dir: Path, app_id: str, extra: list[str],
+                 env: dict[str, str]) -> None:
+        self.bootstrap = bootstrap
+        self.data_dir = data_dir
+        self.app_id = app_id
+        self.extra = extra
+        self.env = env
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{app_id}-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True) -> Service:
+        log = open(self.log_path, "ab")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--app-id", self.app_id,
+             "--data-dir", str(self.data_dir), "--bootstrap-servers", self.bootstrap,
+             *self.extra],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+        )
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+
+        def ready() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.tail()
+            try:
+                return self.get("/readyz")[0] == 200
+            except OSError:
+                return False
+
+        eventually(ready, timeout=READY_TIMEOUT_S, interval=0.1)
+        return time.monotonic() - started
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        try:
+            code = self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        self.process = None
+        return code
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return http("GET", self.url + path)
+
+    def post(self, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+        return http("POST", self.url + path, body, raw)
+
+    def digest(self) -> str:
+        return self.get("/v1/state?limit=0")[1]["digest"]
+
+
+@pytest.fixture
+def make_service(bootstrap: str, tmp_path: Path) -> Iterator[Callable[..., Service]]:
+    """Factory of services with a unique app id (hence unique topics) per test."""
+    started: list[Service] = []
+
+    def make(app_id: str | None = None, data_dir: Path | None = None,
+             extra: list[str] | None = None, env: dict[str, str] | None = None,
+             wait_ready: bool = True) -> Service:
+        service = Service(bootstrap, data_dir or tmp_path / "data",
+                          app_id or f"it-{uuid.uuid4().hex[:10]}", extra or [], env or {})
+        started.append(service)
+        return service.start(wait_ready)
+
+    yield make
+    for service in started:
+        if service.process is not None:
+            service.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def service(bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """One shared service for tests that use their own endpoint names."""
+    root = tmp_path_factory.mktemp("shared")
+    svc = Service(bootstrap, root / "data", f"it-{uuid.uuid4().hex[:10]}",
+                  ["--cache-size-mb-per-server", "6"], {"MMCACHE_MAX_BODY_BYTES": "65536"})
+    svc.start()
+    yield svc
+    svc.stop()
