@@ -26,7 +26,7 @@ __all__ = [
 EVENT_VERSION = 1
 
 EndpointName = Annotated[
-    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$")
+    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[^\x00-\x1f\x7f]+$")
 ]
 
 

@@ -76,14 +76,19 @@ def _expect(value: Any, kind: type | tuple[type, ...], path: str, what: str) -> 
     return value
 
 
+def _or(value: Any, default: Any) -> Any:
+    """JSON null counts as absent; any other value must have the right type."""
+    return default if value is None else value
+
+
 def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
     prompts = _expect(value.get("prompts", []), list, f"{path}.prompts", "an array")
     for p, prompt in enumerate(prompts):
         ppath = f"{path}.prompts[{p}]"
         _expect(prompt, Mapping, ppath, "an object")
-        features = prompt.get("mm_features") or []
-        _expect(features, list, f"{ppath}.mm_features", "an array")
+        features = _expect(_or(prompt.get("mm_features"), []), list, f"{ppath}.mm_features",
+                           "an array")
         for f, feature in enumerate(features):
             fpath = f"{ppath}.mm_features[{f}]"
             _expect(feature, Mapping, fpath, "an object")
@@ -103,12 +108,12 @@ def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
 def _from_generate(value: Any, path: str) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
     features = _expect(value.get("features", {}), Mapping, f"{path}.features", "an object")
-    mm_hashes = features.get("mm_hashes") or {}
-    _expect(mm_hashes, Mapping, f"{path}.features.mm_hashes", "an object")
+    mm_hashes = _expect(_or(features.get("mm_hashes"), {}), Mapping,
+                        f"{path}.features.mm_hashes", "an object")
     for modality, hashes in mm_hashes.items():
         hpath = f"{path}.features.mm_hashes.{modality}"
-        _expect(hashes or [], list, hpath, "an array of strings")
-        for i, digest in enumerate(hashes or []):
+        _expect(_or(hashes, []), list, hpath, "an array of strings")
+        for i, digest in enumerate(_or(hashes, [])):
             _expect(digest, str, f"{hpath}[{i}]", "a string")
             if digest:
                 yield Item(digest, 1, modality)

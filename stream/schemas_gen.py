@@ -1,0 +1,69 @@
+"""Write the language-neutral JSON Schemas of every event and HTTP body to ``schemas/``,
+plus one example file per event type, from the pydantic models (the one source).
+
+Run ``make schemas``; a unit test fails when the committed files drift from the models.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import TypeAdapter
+
+from stream import api_models
+from stream.codec import encode_event
+from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced
+from stream.core.items import Item
+
+__all__ = ["EXAMPLES", "render", "write"]
+
+SCHEMAS: dict[str, Any] = {
+    "event.schema.json": Event,
+    "match-request.schema.json": api_models.MatchRequest,
+    "match-response.schema.json": api_models.MatchResponse,
+    "placement-request.schema.json": api_models.PlacementRequest,
+    "endpoint-event-request.schema.json": api_models.EndpointEventRequest,
+    "events-accepted.schema.json": api_models.EventsAccepted,
+    "state-response.schema.json": api_models.StateResponse,
+    "error.schema.json": api_models.ErrorBody,
+}
+
+EXAMPLES = {
+    "examples/items_placed.json": ItemsPlaced(
+        endpoint="default/pod-a",
+        request_id="r-1",
+        items=[Item("9f2b5c0e1d7a4b3c8e6f0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f", 1, "image")],
+    ),
+    "examples/endpoint_deleted.json": EndpointDeleted(endpoint="default/pod-a"),
+    "examples/endpoints_synced.json": EndpointsSynced(live=["default/pod-a", "default/pod-b"]),
+}
+
+
+def render() -> dict[str, bytes]:
+    """Every file's content, keyed by its path under ``schemas/``."""
+    files = {
+        name: orjson.dumps(
+            {"$schema": "https://json-schema.org/draft/2020-12/schema",
+             "$id": name, **TypeAdapter(model).json_schema()},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS,
+        ) + b"\n"
+        for name, model in SCHEMAS.items()
+    }
+    for name, event in EXAMPLES.items():
+        files[name] = orjson.dumps(orjson.loads(encode_event(event)), option=orjson.OPT_INDENT_2) + b"\n"
+    return files
+
+
+def write(root: Path) -> None:
+    """Write every file under ``root``."""
+    for name, content in render().items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+
+
+if __name__ == "__main__":
+    write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("schemas"))
