@@ -224,4 +224,6 @@ def build_worker(
     publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s)
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.is_ready)
     http = HttpService(api, settings.host, settings.port)
-    return faust.Worker(app, http, loglevel=settings.log_level, quiet=True)
+    worker = faust.Worker(app, http, loglevel=settings.log_level, quiet=True)
+    worker.spinner = None  # a terminal spinner only garbles service logs
+    return worker
