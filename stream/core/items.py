@@ -83,7 +83,7 @@ def _or(value: Any, default: Any) -> Any:
 
 def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    prompts = _expect(value.get("prompts", []), list, f"{path}.prompts", "an array")
+    prompts = _expect(_or(value.get("prompts"), []), list, f"{path}.prompts", "an array")
     for p, prompt in enumerate(prompts):
         ppath = f"{path}.prompts[{p}]"
         _expect(prompt, Mapping, ppath, "an object")
@@ -107,7 +107,7 @@ def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
 
 def _from_generate(value: Any, path: str) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    features = _expect(value.get("features", {}), Mapping, f"{path}.features", "an object")
+    features = _expect(_or(value.get("features"), {}), Mapping, f"{path}.features", "an object")
     mm_hashes = _expect(_or(features.get("mm_hashes"), {}), Mapping,
                         f"{path}.features.mm_hashes", "an object")
     for modality, hashes in mm_hashes.items():
@@ -124,7 +124,7 @@ _URL_BLOCKS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 def _from_chat(value: Any, path: str) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    messages = _expect(value.get("messages", []), list, f"{path}.messages", "an array")
+    messages = _expect(_or(value.get("messages"), []), list, f"{path}.messages", "an array")
     for m, message in enumerate(messages):
         mpath = f"{path}.messages[{m}]"
         _expect(message, Mapping, mpath, "an object")

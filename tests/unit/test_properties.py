@@ -1,0 +1,378 @@
+"""Laws of the fold that must hold for any event log.
+
+A log is generated the way the service writes it: every event about an endpoint is
+keyed by that endpoint, so it lands in the endpoint's partition (a fixed function of
+its name); a sync is written once to every partition. Offsets increase within a
+partition, possibly with gaps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream.codec import decode_event, encode_event
+from stream.core.cache import CacheState, Capacity, Effects, Entry
+from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced, Position
+from stream.core.items import Item
+
+SETTINGS = settings(max_examples=200, deadline=None)
+
+ENDPOINTS = [f"ns/pod-{i}" for i in range(5)]
+HASHES = [f"h{i}" for i in range(6)]
+MODALITIES = ["image", "video", "audio"]
+
+
+def partition_of(endpoint: str, partitions: int) -> int:
+    return ENDPOINTS.index(endpoint) % partitions
+
+
+Record = tuple[Position, Event]
+
+
+@dataclass
+class Scenario:
+    capacity: Capacity
+    partitions: int
+    log: list[Record]  # in the order the producer wrote it
+
+    def by_partition(self) -> dict[int, list[Record]]:
+        out: dict[int, list[Record]] = defaultdict(list)
+        for record in self.log:
+            out[record[0].partition].append(record)
+        return out
+
+
+capacity_st = st.one_of(
+    st.builds(Capacity, st.just("items"), st.integers(1, 4)),
+    st.builds(Capacity, st.just("size"), st.integers(1, 7)),
+)
+
+
+def decode_op(code: int) -> tuple:
+    """Turn one integer into an operation; 0 shrinks to the simplest placement.
+
+    Drawing one integer per operation (instead of nested strategies) keeps generation
+    cheap enough for long logs while hypothesis can still shrink every choice.
+    """
+    code, kind = divmod(code, 8)
+    if kind < 5:
+        code, endpoint = divmod(code, len(ENDPOINTS))
+        code, count = divmod(code, 4)
+        items = []
+        for _ in range(count + 1):
+            code, h = divmod(code, len(HASHES))
+            code, size = divmod(code, 4)
+            code, modality = divmod(code, len(MODALITIES))
+            items.append(Item(HASHES[h], size + 1, MODALITIES[modality]))
+        return ("place", ENDPOINTS[endpoint], items)
+    if kind < 7:
+        return ("delete", ENDPOINTS[code % len(ENDPOINTS)])
+    names = ENDPOINTS + ["ns/elsewhere"]
+    if code % 4 == 0:
+        return ("sync", [])
+    return ("sync", [name for bit, name in enumerate(names) if code >> (bit + 2) & 1])
+
+
+@st.composite
+def scenarios(draw, max_ops: int = 30) -> Scenario:
+    capacity = draw(capacity_st)
+    partitions = draw(st.integers(1, 3))
+    count = draw(st.integers(0, max_ops))
+    ops = [decode_op(draw(st.integers(0, 2**36))) for _ in range(count)]
+    # Offset gaps and request ids vary with one draw, keeping generation cheap.
+    rng = random.Random(draw(st.integers(0, 2**16)))
+    next_offset = [0] * partitions
+    log: list[Record] = []
+
+    def emit(partition: int, event: Event) -> None:
+        offset = next_offset[partition] + rng.choice((0, 0, 0, 1, 5))
+        next_offset[partition] = offset + 1
+        log.append((Position(partition, offset), event))
+
+    for op in ops:
+        if op[0] == "place":
+            _, endpoint, items = op
+            request_id = rng.choice((None, "r"))
+            event = ItemsPlaced(endpoint=endpoint, items=items, request_id=request_id)
+            emit(partition_of(endpoint, partitions), event)
+        elif op[0] == "delete":
+            emit(partition_of(op[1], partitions), EndpointDeleted(endpoint=op[1]))
+        else:
+            event = EndpointsSynced(live=op[1])
+            for partition in range(partitions):
+                emit(partition, event)
+    return Scenario(capacity, partitions, log)
+
+
+def fold(capacity: Capacity, records: list[Record]) -> CacheState:
+    state = CacheState(capacity)
+    for position, event in records:
+        state.apply(event, position)
+    return state
+
+
+def view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
+    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+
+
+def restore_copy(state: CacheState) -> CacheState:
+    groups: dict[int, list[Entry]] = defaultdict(list)
+    for partition, entry in state.entries():
+        groups[partition].append(entry)
+    copy = CacheState(state.capacity)
+    for partition in sorted(set(groups) | set(state.applied)):
+        copy.restore(partition, state.applied.get(partition), groups[partition])
+    return copy
+
+
+# (a) determinism ------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(scenarios())
+def test_replaying_the_log_twice_gives_the_same_state(scenario):
+    first = fold(scenario.capacity, scenario.log)
+    second = fold(scenario.capacity, scenario.log)
+    assert first.digest() == second.digest()
+    assert view(first) == view(second)
+    assert first.applied == second.applied
+    assert first.holders == second.holders
+
+
+# (b) redelivery -------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(scenarios(), st.data())
+def test_replaying_a_suffix_changes_nothing(scenario, data):
+    state = fold(scenario.capacity, scenario.log)
+    digest, before, applied = state.digest(), view(state), dict(state.applied)
+    start = data.draw(st.integers(0, len(scenario.log)), label="start")
+    for position, event in scenario.log[start:]:
+        assert state.apply(event, position) is None
+    assert state.digest() == digest
+    assert view(state) == before
+    assert state.applied == applied
+
+
+@SETTINGS
+@given(scenarios(), st.data())
+def test_resuming_from_an_earlier_point_equals_one_pass(scenario, data):
+    """Crash after ``stop`` records, resume from ``resume <= stop``: same as no crash."""
+    stop = data.draw(st.integers(0, len(scenario.log)), label="stop")
+    resume = data.draw(st.integers(0, stop), label="resume")
+    state = fold(scenario.capacity, scenario.log[:stop])
+    for position, event in scenario.log[resume:]:
+        state.apply(event, position)
+    once = fold(scenario.capacity, scenario.log)
+    assert state.digest() == once.digest()
+    assert view(state) == view(once)
+    assert state.applied == once.applied
+
+
+# (c) partition interleaving -------------------------------------------------------------
+
+
+@SETTINGS
+@given(scenarios(), st.integers(0, 2**16))
+def test_any_interleaving_of_partitions_gives_the_same_state(scenario, seed):
+    queues = {p: list(records) for p, records in scenario.by_partition().items()}
+    order = [p for p, records in queues.items() for _ in records]
+    random.Random(seed).shuffle(order)
+    merged = [queues[p].pop(0) for p in order]
+    assert sorted(merged, key=lambda r: r[0]) == sorted(scenario.log, key=lambda r: r[0])
+    original = fold(scenario.capacity, scenario.log)
+    shuffled = fold(scenario.capacity, merged)
+    assert shuffled.digest() == original.digest()
+    assert view(shuffled) == view(original)
+    assert shuffled.applied == original.applied
+
+
+# (d) restore --------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(scenarios(), st.data())
+def test_restore_from_entries_equals_the_state_and_continues_alike(scenario, data):
+    split = data.draw(st.integers(0, len(scenario.log)), label="split")
+    state = fold(scenario.capacity, scenario.log[:split])
+    copy = restore_copy(state)
+    assert copy.digest() == state.digest()
+    assert view(copy) == view(state)
+    assert copy.applied == state.applied
+    assert copy.holders == state.holders
+    for position, event in scenario.log:  # redelivers the prefix, then the rest
+        a = state.apply(event, position)
+        b = copy.apply(event, position)
+        assert (a is None) == (b is None)
+    assert copy.digest() == state.digest()
+    assert view(copy) == view(state)
+
+
+# (e) codec ----------------------------------------------------------------------------------
+
+endpoint_names = st.text(
+    alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=253
+)
+any_items = st.lists(
+    st.builds(
+        Item,
+        hash=st.text(min_size=1, max_size=80),
+        size=st.integers(1, 2**31 - 1),
+        modality=st.text(max_size=12),
+    ),
+    min_size=1,
+    max_size=6,
+)
+events_st = st.one_of(
+    st.builds(
+        ItemsPlaced,
+        endpoint=endpoint_names,
+        items=any_items,
+        request_id=st.one_of(st.none(), st.text(max_size=40)),
+    ),
+    st.builds(EndpointDeleted, endpoint=endpoint_names),
+    st.builds(EndpointsSynced, live=st.lists(endpoint_names, max_size=5)),
+)
+
+
+@SETTINGS
+@given(events_st)
+def test_codec_round_trip(event):
+    raw = encode_event(event)
+    decoded = decode_event(raw)
+    assert decoded == event
+    assert type(decoded) is type(event)
+    assert encode_event(decoded) == raw
+
+
+@SETTINGS
+@given(scenarios(max_ops=10))
+def test_folding_decoded_log_equals_folding_the_log(scenario):
+    decoded = [(position, decode_event(encode_event(event))) for position, event in scenario.log]
+    assert (
+        fold(scenario.capacity, decoded).digest() == fold(scenario.capacity, scenario.log).digest()
+    )
+
+
+# (f) effects mirror and invariants ------------------------------------------------------
+
+
+def mirror_view(mirror: dict[tuple[str, str], Entry]) -> dict[str, list[tuple[str, int]]]:
+    groups: dict[str, list[Entry]] = defaultdict(list)
+    for entry in mirror.values():
+        groups[entry.endpoint].append(entry)
+    return {
+        name: [(e.hash, e.size) for e in sorted(group, key=lambda e: (e.offset, e.index))]
+        for name, group in groups.items()
+    }
+
+
+def check_invariants(state: CacheState, partitions: int) -> None:
+    transpose: dict[str, set[str]] = {}
+    for name, cache in state.endpoints.items():
+        assert cache.entries, "an endpoint with no entries is not kept"
+        assert cache.weight == sum(cache.entries.values())
+        assert cache.partition == partition_of(name, partitions)
+        used = len(cache.entries) if state.capacity.mode == "items" else cache.weight
+        assert used <= state.capacity.per_endpoint
+        for digest in cache.entries:
+            transpose.setdefault(digest, set()).add(name)
+    assert state.holders == transpose
+
+
+@SETTINGS
+@given(scenarios())
+def test_effects_mirror_always_equals_the_state(scenario):
+    state = CacheState(scenario.capacity)
+    mirror: dict[tuple[str, str], Entry] = {}
+    for position, event in scenario.log:
+        effects = state.apply(event, position)
+        assert isinstance(effects, Effects)
+        for entry in effects.upserts:
+            assert (entry.offset, entry.endpoint) == (
+                position.offset,
+                getattr(event, "endpoint", None),
+            )
+            mirror[(entry.endpoint, entry.hash)] = entry
+        for key in effects.removals:
+            assert key in mirror
+            del mirror[key]
+        assert mirror_view(mirror) == view(state)
+        check_invariants(state, scenario.partitions)
+    # A store holding exactly the mirror restores to the same state.
+    copy = CacheState(scenario.capacity)
+    for partition in range(scenario.partitions):
+        entries = [
+            e for e in mirror.values() if partition_of(e.endpoint, scenario.partitions) == partition
+        ]
+        copy.restore(partition, state.applied.get(partition), entries)
+    assert copy.digest() == state.digest()
+    assert view(copy) == view(state)
+
+
+@SETTINGS
+@given(scenarios(), st.lists(st.sampled_from(HASHES), unique=True, max_size=4))
+def test_match_never_changes_state_and_scores_are_consistent(scenario, hashes):
+    state = fold(scenario.capacity, scenario.log)
+    digest = state.digest()
+    request = [Item(h, i + 1, "image") for i, h in enumerate(hashes)]
+    results = state.match(request, ENDPOINTS + ["ns/unknown"])
+    assert state.digest() == digest
+    if not request:
+        assert results == []
+        return
+    total = sum(item.size for item in request)
+    assert [r.endpoint for r in results] == ENDPOINTS + ["ns/unknown"]
+    for result in results:
+        held = state.endpoints.get(result.endpoint)
+        expected = [item for item in request if held and item.hash in held.entries]
+        assert result.matched_items == expected
+        assert result.matched_weight == sum(item.size for item in expected)
+        assert result.total_weight == total
+        assert result.score == result.matched_weight / total
+
+
+# (g) a naive model ----------------------------------------------------------------------
+
+
+def model_fold(scenario: Scenario) -> dict[str, list[tuple[str, int]]]:
+    """The contract's LRU rules written as plainly as possible, over lists."""
+    mode, limit = scenario.capacity
+    lrus: dict[str, list[tuple[str, int]]] = {}
+
+    def used(entries: list[tuple[str, int]]) -> int:
+        return len(entries) if mode == "items" else sum(size for _, size in entries)
+
+    for position, event in scenario.log:
+        if isinstance(event, ItemsPlaced):
+            entries = lrus.get(event.endpoint, [])
+            for item in event.items:
+                if mode == "size" and item.size > limit:
+                    continue
+                entries = [e for e in entries if e[0] != item.hash] + [(item.hash, item.size)]
+            while used(entries) > limit:
+                entries = entries[1:]
+            if entries:
+                lrus[event.endpoint] = entries
+            else:
+                lrus.pop(event.endpoint, None)
+        elif isinstance(event, EndpointDeleted):
+            lrus.pop(event.endpoint, None)
+        elif event.live:
+            for name in list(lrus):
+                mine = partition_of(name, scenario.partitions) == position.partition
+                if mine and name not in event.live:
+                    del lrus[name]
+    return lrus
+
+
+@SETTINGS
+@given(scenarios())
+def test_fold_equals_a_naive_model_of_the_contract(scenario):
+    assert view(fold(scenario.capacity, scenario.log)) == model_fold(scenario)
