@@ -1,4 +1,4 @@
-"""`mmcache` command line: serve, broker, rebuild (CONTRACT, "Command line")."""
+"""`mmcache` command line: serve, broker, rebuild, state digest (CONTRACT, "Command line")."""
 
 from __future__ import annotations
 
@@ -47,9 +47,11 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from stream.datadir import DataDir
     from stream.kafka.tansu import apply_remedies, is_tansu
-    from stream.kafka.topics import ensure_events_topic
-    from stream.worker import build_worker, check_data_dir
+    from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
+    from stream.rebuild import seed_deployment
+    from stream.worker import build_worker
 
     settings = _settings(args)
     loop = asyncio.new_event_loop()
@@ -61,16 +63,28 @@ def _serve(args: argparse.Namespace) -> None:
         bootstrap = broker.bootstrap_servers
         log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker "
                     "(Tansu, memory only) on %s for development", bootstrap)
+    datadir = DataDir(settings.data_dir)
     try:
         embedded = loop.run_until_complete(is_tansu(bootstrap))
         if embedded:
             apply_remedies()
-        check_data_dir(settings, fresh=broker is not None)
+        # The embedded broker's log lives in memory: state from an earlier run would
+        # describe a log that no longer exists.
+        datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
+                      fresh=broker is not None)
         partitions = loop.run_until_complete(
-            ensure_events_topic(bootstrap, settings.events_topic, settings.partitions,
-                                settings.replication_factor)
+            ensure_topic(bootstrap, settings.events_topic, settings.partitions,
+                         EVENTS_TOPIC_CONFIG, settings.replication_factor)
         )
+        if datadir.seed.exists():
+            loop.run_until_complete(
+                seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic)
+            )
         build_worker(settings, bootstrap, partitions, embedded=embedded).execute_from_commandline()
+    except SystemExit as exc:
+        if not exc.code:
+            datadir.release()
+        raise
     finally:
         if broker is not None:
             broker.stop()
@@ -86,11 +100,17 @@ def _broker(args: argparse.Namespace) -> None:
 
 
 def _rebuild(args: argparse.Namespace) -> None:
-    from stream.rebuild import rebuild
+    from stream.rebuild import Until, rebuild
 
     settings = _settings(args)
-    digest = asyncio.run(rebuild(settings, until_offset=args.until_offset))
-    print(digest)
+    state = asyncio.run(rebuild(settings, Until.parse(args.until)))
+    print(state.digest())
+
+
+def _state_digest(args: argparse.Namespace) -> None:
+    from stream.datadir import DataDir
+
+    print(DataDir(args.data_dir).load_state().digest())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,9 +145,15 @@ def _parser() -> argparse.ArgumentParser:
     capacity = rebuild.add_mutually_exclusive_group()
     capacity.add_argument("--cache-size-mb-per-server", type=int)
     capacity.add_argument("--cache-size-embeddings-per-server", type=int)
-    rebuild.add_argument("--until-offset", type=int, default=None,
-                         help="replay only offsets <= this in every partition")
+    rebuild.add_argument("--until", help="replay only up to this offset (in every partition) "
+                         "or this ISO-8601 time (record timestamps)")
     rebuild.set_defaults(run=_rebuild)
+
+    state = commands.add_parser("state", help="inspect a stopped worker's state")
+    state_commands = state.add_subparsers(dest="state_command", required=True)
+    digest = state_commands.add_parser("digest", help="print the state digest of a data dir")
+    digest.add_argument("--data-dir", type=Path, required=True)
+    digest.set_defaults(run=_state_digest)
     return parser
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "APPLIED_KEY",
     "decode_applied",
     "encode_applied",
+    "encode_entry",
     "entry_key",
     "read_partition",
     "write_effects",
@@ -33,6 +34,11 @@ _OFFSET = struct.Struct(">Q")
 def entry_key(endpoint: str, digest: str) -> bytes:
     """Key of one LRU entry."""
     return b"".join((_ENTRY, endpoint.encode(), b"\x00", digest.encode()))
+
+
+def encode_entry(entry: Entry) -> bytes:
+    """Value of one LRU entry: its recency rank and its size."""
+    return _VALUE.pack(entry.offset, entry.index, entry.size)
 
 
 def encode_applied(offset: int) -> bytes:
@@ -50,9 +56,7 @@ def write_effects(
 ) -> None:
     """Mirror one applied event into the store, in the order the fold produced it."""
     for entry in effects.upserts:
-        table[entry_key(entry.endpoint, entry.hash)] = _VALUE.pack(
-            entry.offset, entry.index, entry.size
-        )
+        table[entry_key(entry.endpoint, entry.hash)] = encode_entry(entry)
     for endpoint, digest in effects.removals:
         table.pop(entry_key(endpoint, digest), None)
     table[APPLIED_KEY] = encode_applied(applied_offset)

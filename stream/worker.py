@@ -10,58 +10,25 @@ partitions, so the view always equals the durable state of the partitions this w
 from __future__ import annotations
 
 import logging
-import shutil
-from pathlib import Path
 from typing import Any
 
 import faust
 import mode
-import orjson
 from aiohttp import web
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.core.events import Position
+from stream.datadir import TABLE_NAME
 from stream.http_api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 from stream.store import read_partition, write_effects
 
-__all__ = ["STATE_FORMAT", "StateKeeper", "build_worker", "check_data_dir"]
-
-STATE_FORMAT = 1
-TABLE_NAME = "lru"
+__all__ = ["StateKeeper", "build_worker"]
 
 log = logging.getLogger(__name__)
-
-
-def check_data_dir(settings: Settings, *, fresh: bool) -> None:
-    """Refuse a data dir written by another layout, app, topic or capacity.
-
-    ``fresh`` wipes it first: the embedded broker keeps its log in memory, so state
-    kept from an earlier run would describe a log that no longer exists.
-    """
-    marker = settings.data_dir / "mmcache-state.json"
-    expected = {
-        "format": STATE_FORMAT,
-        "app_id": settings.app_id,
-        "topic": settings.events_topic,
-        "capacity": list(settings.capacity),
-    }
-    if fresh and settings.data_dir.exists():
-        log.warning("embedded broker: starting from an empty state in %s", settings.data_dir)
-        shutil.rmtree(settings.data_dir)
-    if marker.exists():
-        found = orjson.loads(marker.read_bytes())
-        if found != expected:
-            raise SystemExit(
-                f"{settings.data_dir} holds state {found}, not {expected}. Use another "
-                "--data-dir, or build one for these settings with `mmcache rebuild`."
-            )
-        return
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_bytes(orjson.dumps(expected))
 
 
 class StateKeeper:
