@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit integration lint schemas broker clean
+.PHONY: run test unit integration lint schemas broker bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,6 @@ schemas: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mmcache .pytest_cache
+
+bench: $(STAMP)
+	$(BIN)/mmcache bench $(if $(QUICK),--quick)

@@ -103,14 +103,19 @@ def _rebuild(args: argparse.Namespace) -> None:
     from stream.rebuild import Until, rebuild
 
     settings = _settings(args)
-    state = asyncio.run(rebuild(settings, Until.parse(args.until)))
-    print(state.digest())
+    print(rebuild(settings, Until.parse(args.until), args.workers))
 
 
 def _state_digest(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
 
     print(DataDir(args.data_dir).load_state().digest())
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from stream.bench.run import run
+
+    run(args.out, quick=args.quick, only=args.only, bootstrap=args.bootstrap_servers)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("--cache-size-embeddings-per-server", type=int)
     rebuild.add_argument("--until", help="replay only up to this offset (in every partition) "
                          "or this ISO-8601 time (record timestamps)")
+    rebuild.add_argument("--workers", type=int, help="replay processes (default: one per core)")
     rebuild.set_defaults(run=_rebuild)
 
     state = commands.add_parser("state", help="inspect a stopped worker's state")
@@ -154,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     digest = state_commands.add_parser("digest", help="print the state digest of a data dir")
     digest.add_argument("--data-dir", type=Path, required=True)
     digest.set_defaults(run=_state_digest)
+    bench = commands.add_parser("bench", help="run the benchmark suite")
+    bench.add_argument("--quick", action="store_true", help="reduced sizes, under 90 s")
+    bench.add_argument("--only", action="append", help="run only this scenario (repeatable)")
+    bench.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    bench.add_argument("--bootstrap-servers", help="use this cluster instead of an embedded broker")
+    bench.set_defaults(run=_bench)
     return parser
 
 

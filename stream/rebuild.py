@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
@@ -26,7 +32,7 @@ from rocksdict import WriteBatch
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
-from stream.core.cache import CacheState
+from stream.core.cache import CacheState, Capacity, combine_digests
 from stream.core.events import Position
 from stream.datadir import TABLE_NAME, DataDir, StateMismatch
 from stream.kafka.tansu import apply_remedies, is_tansu
@@ -57,7 +63,7 @@ class Until:
             return cls(offset=int(text))
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
         if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=datetime.now().astimezone().tzinfo)
+            moment = moment.replace(tzinfo=timezone.utc)
         return cls(timestamp_ms=int(moment.timestamp() * 1000))
 
     def stops_before(self, offset: int, timestamp_ms: int) -> bool:
@@ -94,33 +100,29 @@ class Progress:
                      done, self.total, share * 100, rate)
 
 
-async def replay(bootstrap_servers: str, topic: str, state: CacheState,
-                 until: Until = Until()) -> dict[str, int]:
-    """Fold the topic into ``state``; return counts of events, malformed records, partitions."""
+async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], state: CacheState,
+                 until: Until = Until(), on_progress: Callable[[int], None] = lambda n: None,
+                 ) -> dict[str, int]:
+    """Fold the given partitions of the topic into ``state``, up to the end offsets seen at
+    the start (or ``until``); return counts of applied events and malformed records."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
         max_partition_fetch_bytes=8 * 1024 * 1024,
         fetch_max_bytes=64 * 1024 * 1024,
     )
     await consumer.start()
-    counts = {"events": 0, "malformed": 0, "partitions": 0}
+    counts = {"events": 0, "malformed": 0}
     try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        if not partitions:
-            raise StateMismatch(f"topic {topic} not found on {bootstrap_servers}")
-        counts["partitions"] = len(partitions)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
         starts = await consumer.beginning_offsets(tps)
         remaining = {tp for tp in tps if ends[tp] > starts[tp]}
-        progress = Progress(sum(ends[tp] - starts[tp] for tp in tps))
-        done = 0
         while remaining:
             batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
+            done = 0
             for tp, records in batches.items():
                 for record in records:
                     if record.offset >= ends[tp] or until.stops_before(record.offset, record.timestamp):
@@ -140,16 +142,15 @@ async def replay(bootstrap_servers: str, topic: str, state: CacheState,
                     counts["events"] += 1
                 if tp in remaining and records and records[-1].offset >= ends[tp] - 1:
                     remaining.discard(tp)
-            progress.update(done)
-        progress.update(done, final=True)
+            on_progress(done)
     finally:
         await consumer.stop()
     return counts
 
 
-def write_state(datadir: DataDir, state: CacheState, partitions: int) -> None:
+def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) -> None:
     """Write the state's entries and applied offsets to RocksDB, in write batches."""
-    dbs = {p: datadir.open_partition(p) for p in range(partitions)}
+    dbs = {p: datadir.open_partition(p) for p in partitions}
     try:
         batches = {p: WriteBatch(raw_mode=True) for p in dbs}
         pending = 0
@@ -170,25 +171,98 @@ def write_state(datadir: DataDir, state: CacheState, partitions: int) -> None:
             db.close()
 
 
-async def rebuild(settings: Settings, until: Until = Until()) -> CacheState:
-    """Replay ``settings.events_topic`` into a new ``settings.data_dir``; return the state."""
+@dataclass(frozen=True)
+class _Part:
+    """What one replay process hands back: counts and its endpoints' digests."""
+
+    events: int
+    malformed: int
+    endpoint_digests: dict[str, bytes]
+
+
+_progress_counter: Any = None
+
+
+def _count_progress(counter: Any) -> None:
+    global _progress_counter
+    _progress_counter = counter
+
+
+def _add_progress(done: int) -> None:
+    with _progress_counter.get_lock():
+        _progress_counter.value += done
+
+
+def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Capacity,
+                 until: Until, root: Path, tansu: bool) -> _Part:
+    """Replay some partitions and write their files (run in a process of its own)."""
+    if tansu:
+        apply_remedies()
+    state = CacheState(capacity)
+    started = time.monotonic()
+    counts = asyncio.run(replay(bootstrap, topic, partitions, state, until, _add_progress))
+    replayed = time.monotonic()
+    write_state(DataDir(root), state, partitions)
+    log.info("partitions %s: replayed %d records in %.2f s, wrote them in %.2f s", partitions,
+             counts["events"] + counts["malformed"], replayed - started, time.monotonic() - replayed)
+    return _Part(counts["events"], counts["malformed"], state.endpoint_digests())
+
+
+async def _topic_extent(bootstrap: str, topic: str) -> tuple[list[int], int]:
+    """The topic's partitions and how many records they hold in all."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        tps = [TopicPartition(topic, p) for p in partitions]
+        ends = await consumer.end_offsets(tps) if tps else {}
+        starts = await consumer.beginning_offsets(tps) if tps else {}
+        return partitions, sum(ends[tp] - starts[tp] for tp in tps)
+    finally:
+        await consumer.stop()
+
+
+def rebuild(settings: Settings, until: Until = Until(), workers: int | None = None) -> str:
+    """Replay ``settings.events_topic`` into a new ``settings.data_dir``; return its digest.
+
+    Partitions are independent (every event of an endpoint is in one partition, a sync
+    acts on its own partition's endpoints), so they are replayed by ``workers``
+    processes side by side and their endpoint digests combined.
+    """
     datadir = DataDir(settings.data_dir)
     if datadir.root.exists() and any(datadir.root.iterdir()):
         raise StateMismatch(f"{datadir.root} is not empty: rebuild writes a new data dir")
     bootstrap = settings.bootstrap_servers or ""
-    if await is_tansu(bootstrap):
+    tansu = asyncio.run(is_tansu(bootstrap))
+    if tansu:
         apply_remedies()
-    state = CacheState(settings.capacity)
-    started = time.monotonic()
-    counts = await replay(bootstrap, settings.events_topic, state, until)
-    elapsed = time.monotonic() - started
-    log.info("replayed %d events (%d malformed skipped) in %.2f s: %.0f events/s",
-             counts["events"], counts["malformed"], elapsed,
-             (counts["events"] + counts["malformed"]) / max(elapsed, 1e-9))
+    partitions, total = asyncio.run(_topic_extent(bootstrap, settings.events_topic))
+    if not partitions:
+        raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
     datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity))
-    write_state(datadir, state, counts["partitions"])
+    count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
+    groups = [partitions[i::count] for i in range(count)]
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+    progress = Progress(total)
+    started = time.monotonic()
+    with ProcessPoolExecutor(count, mp_context=context, initializer=_count_progress,
+                             initargs=(counter,)) as pool:
+        futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
+                               settings.capacity, until, datadir.root, tansu) for group in groups]
+        while not all(f.done() for f in futures):
+            progress.update(counter.value)
+            time.sleep(0.1)
+        parts = [f.result() for f in futures]
+    progress.update(counter.value, final=True)
+    elapsed = time.monotonic() - started
+    events = sum(p.events for p in parts)
+    malformed = sum(p.malformed for p in parts)
+    log.info("replayed %d events (%d malformed skipped) in %.2f s with %d processes: "
+             "%.0f events/s", events, malformed, elapsed, count,
+             (events + malformed) / max(elapsed, 1e-9))
     datadir.seed.touch()
-    return state
+    return combine_digests({k: v for p in parts for k, v in p.endpoint_digests.items()})
 
 
 async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: str) -> None:

@@ -58,7 +58,7 @@ def write_effects(
     for entry in effects.upserts:
         table[entry_key(entry.endpoint, entry.hash)] = encode_entry(entry)
     for endpoint, digest in effects.removals:
-        table.pop(entry_key(endpoint, digest), None)
+        del table[entry_key(endpoint, digest)]
     table[APPLIED_KEY] = encode_applied(applied_offset)
 
 

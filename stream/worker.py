@@ -18,7 +18,7 @@ from aiohttp import web
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
-from stream.core.cache import CacheState
+from stream.core.cache import CacheState, Effects
 from stream.core.events import Position
 from stream.datadir import TABLE_NAME
 from stream.http_api import HttpApi
@@ -46,6 +46,7 @@ class StateKeeper:
             event = decode_event(raw)
         except MalformedEvent as exc:
             if self.state.advance(position):
+                write_effects(self.table, Effects(), offset)
                 self.metrics.malformed.inc()
                 log.warning("skipped malformed record at partition %d offset %d: %s",
                             partition, offset, exc)

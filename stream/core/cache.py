@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -34,6 +34,7 @@ __all__ = [
     "EndpointMatch",
     "EndpointSummary",
     "Entry",
+    "combine_digests",
 ]
 
 DEFAULT_CACHE_MB = 2048
@@ -164,23 +165,33 @@ class CacheState:
         cache = self.endpoints.get(name)
         if cache is None:
             cache = self.endpoints[name] = EndpointCache(position.partition)
-        entries = cache.entries
+        entries, holders, upserts = cache.entries, self.holders, effects.upserts
+        by_size = self.capacity.mode == "size"
+        limit = self.capacity.per_endpoint
+        offset = position.offset
+        weight = cache.weight
         for index, item in enumerate(event.items):
-            if not self.capacity.admits(item.size):
+            digest, size = item.hash, item.size
+            if by_size and size > limit:
                 continue
-            previous = entries.pop(item.hash, None)
+            previous = entries.pop(digest, None)
             if previous is None:
-                self.holders.setdefault(item.hash, set()).add(name)
+                held_by = holders.get(digest)
+                if held_by is None:
+                    holders[digest] = {name}
+                else:
+                    held_by.add(name)
             else:
-                cache.weight -= previous
-            entries[item.hash] = item.size
-            cache.weight += item.size
-            effects.upserts.append(Entry(name, item.hash, item.size, position.offset, index))
-        while self.capacity.exceeded_by(cache):
+                weight -= previous
+            entries[digest] = size
+            weight += size
+            upserts.append(Entry(name, digest, size, offset, index))
+        while (weight if by_size else len(entries)) > limit:
             evicted, size = entries.popitem(last=False)
-            cache.weight -= size
+            weight -= size
             self._release(evicted, name)
             effects.removals.append((name, evicted))
+        cache.weight = weight
         if not entries:
             del self.endpoints[name]
 
@@ -251,20 +262,33 @@ class CacheState:
         rows.sort(key=lambda row: (-row.items, row.endpoint))
         return rows[:limit]
 
-    def digest(self) -> str:
-        """Hash of every endpoint's entries in recency order, with sizes.
+    def endpoint_digests(self) -> dict[str, bytes]:
+        """Per-endpoint hash of its entries in recency order, with sizes."""
+        return {name: _endpoint_digest(cache) for name, cache in self.endpoints.items()}
 
-        Strings are length-prefixed so that no two different states encode alike.
-        """
-        h = hashlib.sha256()
-        for name in sorted(self.endpoints):
-            cache = self.endpoints[name]
-            _put(h, name)
-            h.update(len(cache.entries).to_bytes(8, "big"))
-            for digest, size in cache.entries.items():
-                _put(h, digest)
-                h.update(size.to_bytes(8, "big"))
-        return h.hexdigest()
+    def digest(self) -> str:
+        """Hash of the whole state; equal states, and only they, give equal digests."""
+        return combine_digests(self.endpoint_digests())
+
+
+def combine_digests(parts: Mapping[str, bytes]) -> str:
+    """Digest of a state from its endpoints' digests, however the endpoints were split
+    between processes (``rebuild`` replays partitions in parallel)."""
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        _put(h, name)
+        h.update(parts[name])
+    return h.hexdigest()
+
+
+def _endpoint_digest(cache: EndpointCache) -> bytes:
+    """Strings are length-prefixed so that no two different LRUs encode alike."""
+    h = hashlib.sha256()
+    h.update(len(cache.entries).to_bytes(8, "big"))
+    for digest, size in cache.entries.items():
+        _put(h, digest)
+        h.update(size.to_bytes(8, "big"))
+    return h.digest()
 
 
 def _put(h: hashlib._Hash, text: str) -> None:

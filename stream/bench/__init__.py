@@ -1,0 +1,1 @@
+"""`mmcache bench`: figures that matter, each beside a control measured in the same run."""

@@ -1,0 +1,71 @@
+"""Run the benchmark scenarios on an embedded broker; write JSON and a readable table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import orjson
+
+from stream.bench.figures import Figure
+from stream.kafka.embedded import EmbeddedBroker
+from stream.kafka.tansu import apply_remedies, is_tansu
+
+__all__ = ["SCENARIOS", "render_table", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def _replay(bootstrap: str, quick: bool) -> list[Figure]:
+    from stream.bench.replay import replay_figures
+
+    return replay_figures(bootstrap, 200_000 if quick else 1_000_000, 1 if quick else 3)
+
+
+SCENARIOS: dict[str, Callable[[str, bool], list[Figure]]] = {
+    "replay": _replay,
+}
+
+
+def render_table(figures: list[Figure]) -> str:
+    """A Markdown table of the figures."""
+    lines = ["| figure | value | control | ratio | target | pass |",
+             "|---|---|---|---|---|---|"]
+    for f in figures:
+        control = "" if f.control is None else f"{f.control:,}"
+        ratio = "" if f.ratio is None else f"{f.ratio}"
+        lines.append(f"| {f.name} | {f.value:,} {f.unit} | {control} | {ratio} | {f.target} | "
+                     f"{'yes' if f.passed else 'NO'} |")
+    return "\n".join(lines)
+
+
+def run(out: Path, quick: bool = False, only: list[str] | None = None,
+        bootstrap: str | None = None) -> list[Figure]:
+    """Run the selected scenarios; write ``out`` (JSON) and ``out`` with ``.md`` (table)."""
+    names = only or list(SCENARIOS)
+    figures: list[Figure] = []
+    broker = None if bootstrap else EmbeddedBroker().start()
+    try:
+        servers = bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
+        if asyncio.run(is_tansu(servers)):
+            apply_remedies()
+        for name in names:
+            log.info("bench scenario %s%s", name, " (quick)" if quick else "")
+            figures += SCENARIOS[name](servers, quick)
+    finally:
+        if broker is not None:
+            broker.stop()
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
+            "machine": f"{platform.machine()}, {platform.python_implementation()} "
+                       f"{platform.python_version()}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps({**meta, "figures": [f.as_json() for f in figures]},
+                                 option=orjson.OPT_INDENT_2))
+    table = render_table(figures)
+    out.with_suffix(".md").write_text(f"{meta['date']} ({'quick' if quick else 'full'})\n\n{table}\n")
+    print(table)
+    return figures

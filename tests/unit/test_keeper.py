@@ -1,0 +1,219 @@
+"""The agent's logic (``StateKeeper``): records of the event topic -> view + table + metrics.
+
+A plain dict plays the Faust table of one partition; the metrics are the real ones.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream.codec import encode_event
+from stream.core.cache import CacheState, Capacity
+from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
+from stream.core.items import Item
+from stream.metrics import Metrics
+from stream.store import APPLIED_KEY, decode_applied
+from stream.worker import StateKeeper
+from tests.unit.test_store import Scenario, scenarios, view
+
+SETTINGS = settings(max_examples=100, deadline=None)
+
+
+def keeper_for(capacity: Capacity) -> StateKeeper:
+    state = CacheState(capacity)
+    return StateKeeper(state, {}, Metrics(state, lambda: {}))
+
+
+def records_of(scenario: Scenario) -> list[tuple[int, bytes]]:
+    return [(position.offset, encode_event(event)) for position, event in scenario.log]
+
+
+def feed(keeper: StateKeeper, records) -> None:
+    for offset, raw in records:
+        keeper.apply_record(0, offset, raw)
+
+
+def fold(scenario: Scenario) -> CacheState:
+    state = CacheState(scenario.capacity)
+    for position, event in scenario.log:
+        state.apply(event, position)
+    return state
+
+
+def sample(keeper: StateKeeper, name: str, labels: dict[str, str] | None = None) -> float:
+    return keeper.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def events_counted(keeper: StateKeeper) -> float:
+    return sum(
+        sample(keeper, "mmcache_events_processed_total", {"type": kind})
+        for kind in ("items_placed", "endpoint_deleted", "endpoints_synced")
+    )
+
+
+def reloaded(keeper: StateKeeper) -> CacheState:
+    fresh = keeper_for(keeper.state.capacity)
+    fresh.reload({0: keeper.table})
+    return fresh.state
+
+
+one_partition = scenarios(partitions=1)
+
+
+@SETTINGS
+@given(one_partition)
+def test_applying_records_in_order_builds_the_state(scenario):
+    keeper = keeper_for(scenario.capacity)
+    feed(keeper, records_of(scenario))
+    expected = fold(scenario)
+    assert keeper.state.digest() == expected.digest()
+    assert view(keeper.state) == view(expected)
+    assert keeper.state.applied == expected.applied
+    assert events_counted(keeper) == len(scenario.log)
+    assert sample(keeper, "mmcache_redelivered_events_total") == 0
+    assert sample(keeper, "mmcache_malformed_events_total") == 0
+    if scenario.log:
+        assert decode_applied(keeper.table[APPLIED_KEY]) == scenario.log[-1][0].offset
+
+
+@SETTINGS
+@given(one_partition, st.data())
+def test_redelivered_suffix_changes_neither_state_nor_table(scenario, data):
+    keeper = keeper_for(scenario.capacity)
+    records = records_of(scenario)
+    feed(keeper, records)
+    digest, applied, table = keeper.state.digest(), dict(keeper.state.applied), dict(keeper.table)
+    counted = events_counted(keeper)
+    start = data.draw(st.integers(0, len(records)), label="start")
+    feed(keeper, records[start:])
+    assert keeper.state.digest() == digest
+    assert keeper.state.applied == applied
+    assert keeper.table == table
+    assert sample(keeper, "mmcache_redelivered_events_total") == len(records) - start
+    assert events_counted(keeper) == counted
+
+
+@SETTINGS
+@given(one_partition, st.data())
+def test_crash_reload_and_redelivery_equals_one_pass(scenario, data):
+    """The table after ``stop`` records is what survives; the consumer resumes earlier."""
+    records = records_of(scenario)
+    stop = data.draw(st.integers(0, len(records)), label="stop")
+    resume = data.draw(st.integers(0, stop), label="resume")
+    first = keeper_for(scenario.capacity)
+    feed(first, records[:stop])
+    second = keeper_for(scenario.capacity)
+    second.table = first.table
+    second.reload({0: second.table})
+    feed(second, records[resume:])
+    once = fold(scenario)
+    assert second.state.digest() == once.digest()
+    assert second.state.applied == once.applied
+    assert sample(second, "mmcache_redelivered_events_total") == stop - resume
+
+
+@SETTINGS
+@given(one_partition)
+def test_reload_from_the_table_gives_the_same_state(scenario):
+    keeper = keeper_for(scenario.capacity)
+    feed(keeper, records_of(scenario))
+    copy = reloaded(keeper)
+    assert copy.digest() == keeper.state.digest()
+    assert view(copy) == view(keeper.state)
+    assert copy.applied == keeper.state.applied
+    assert copy.holders == keeper.state.holders
+
+
+def test_reload_replaces_the_previous_view():
+    keeper = keeper_for(Capacity("items", 4))
+    feed(keeper, [(0, encode_event(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")])))])
+    digest = keeper.state.digest()
+    stray = ItemsPlaced(endpoint="stray", items=[Item("z", 1, "image")])
+    keeper.state.apply(stray, Position(5, 0))  # not in the table
+    assert keeper.state.digest() != digest
+    keeper.reload({0: keeper.table})
+    assert keeper.state.digest() == digest
+    assert keeper.state.applied == {0: 0}
+    assert "z" not in keeper.state.holders
+
+
+# -- malformed records ----------------------------------------------------------------------
+
+PLACE_A = ItemsPlaced(endpoint="ns/pod", items=[Item("a", 1, "image")])
+PLACE_B = ItemsPlaced(endpoint="ns/pod", items=[Item("b", 2, "video")], request_id="r")
+PLACE_C = ItemsPlaced(endpoint="ns/other", items=[Item("a", 1, "image")])
+
+
+def _with(event, **changes) -> bytes:
+    doc = orjson.loads(encode_event(event))
+    doc.update(changes)
+    return orjson.dumps(doc)
+
+
+MALFORMED = {
+    "not-json": b"not json {",
+    "empty": b"",
+    "tombstone": None,
+    "version-2": _with(PLACE_A, v=2),
+    "unknown-type": orjson.dumps({"v": 1, "type": "items_evicted", "endpoint": "ns/pod"}),
+    "no-items": _with(PLACE_A, items=[]),
+    "zero-size": _with(PLACE_A, items=[{"hash": "a", "size": 0, "modality": "image"}]),
+    "extra-field": _with(EndpointDeleted(endpoint="ns/pod"), extra=1),
+    "control-char-endpoint": _with(EndpointDeleted(endpoint="ns/pod"), endpoint="ns/\x00pod"),
+    "array": b"[1, 2]",
+    "live-not-list": _with(EndpointsSynced(live=["ns/pod"]), live="ns/pod"),
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
+    keeper = keeper_for(Capacity("items", 4))
+    feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
+    digest, table = keeper.state.digest(), dict(keeper.table)
+    entries = {k: v for k, v in table.items() if k != APPLIED_KEY}
+
+    keeper.apply_record(0, 2, raw)
+    assert sample(keeper, "mmcache_malformed_events_total") == 1
+    assert keeper.state.applied == {0: 2}
+    assert keeper.state.digest() == digest
+    assert {k: v for k, v in keeper.table.items() if k != APPLIED_KEY} == entries
+    assert events_counted(keeper) == 2
+
+    keeper.apply_record(0, 2, raw)  # redelivered: not counted again
+    assert sample(keeper, "mmcache_malformed_events_total") == 1
+    assert keeper.state.digest() == digest
+
+    keeper.apply_record(0, 3, encode_event(PLACE_C))
+    assert view(keeper.state) == {"ns/pod": [("a", 1), ("b", 2)], "ns/other": [("a", 1)]}
+    assert keeper.state.applied == {0: 3}
+    assert decode_applied(keeper.table[APPLIED_KEY]) == 3
+    assert events_counted(keeper) == 3
+    assert sample(keeper, "mmcache_malformed_events_total") == 1
+    assert reloaded(keeper).digest() == keeper.state.digest()
+
+
+def test_version_field_defaults_to_1_so_a_record_without_it_applies():
+    keeper = keeper_for(Capacity("items", 4))
+    doc = orjson.loads(encode_event(PLACE_A))
+    del doc["v"]
+    keeper.apply_record(0, 0, orjson.dumps(doc))
+    assert sample(keeper, "mmcache_malformed_events_total") == 0
+    assert view(keeper.state) == {"ns/pod": [("a", 1)]}
+
+
+def test_malformed_record_at_an_old_offset_is_a_redelivery_not_malformed():
+    keeper = keeper_for(Capacity("items", 4))
+    feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
+    keeper.apply_record(0, 1, b"garbage")
+    assert sample(keeper, "mmcache_malformed_events_total") == 0
+    assert keeper.state.applied == {0: 1}
+
+
+def test_applied_offset_of_a_trailing_malformed_record_survives_reload():
+    keeper = keeper_for(Capacity("items", 4))
+    feed(keeper, [(0, encode_event(PLACE_A)), (1, b"not json")])
+    assert keeper.state.applied == {0: 1}
+    assert reloaded(keeper).applied == {0: 1}
