@@ -14,6 +14,7 @@ resumes from there.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
-from rocksdict import WriteBatch
+from rocksdict import WriteBatch, WriteOptions
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
@@ -37,7 +38,7 @@ from stream.core.events import Position
 from stream.datadir import TABLE_NAME, DataDir, StateMismatch
 from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, ensure_topic
-from stream.store import APPLIED_KEY, decode_applied, encode_applied, encode_entry, entry_key
+from stream.store import APPLIED_KEY, decode_applied, encode_applied, endpoint_records
 
 __all__ = ["Until", "rebuild", "seed_deployment"]
 
@@ -120,52 +121,62 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
         ends = await consumer.end_offsets(tps)
         starts = await consumer.beginning_offsets(tps)
         remaining = {tp for tp in tps if ends[tp] > starts[tp]}
+        apply, decode, bounded = state.apply, decode_event, until != Until()
         while remaining:
             batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
             done = 0
             for tp, records in batches.items():
+                partition, end = tp.partition, ends[tp]
                 for record in records:
-                    if record.offset >= ends[tp] or until.stops_before(record.offset, record.timestamp):
+                    offset = record.offset
+                    if offset >= end or (bounded and until.stops_before(offset, record.timestamp)):
                         remaining.discard(tp)
                         break
                     done += 1
-                    position = Position(tp.partition, record.offset)
                     try:
-                        event = decode_event(record.value)
+                        event = decode(record.value)
                     except MalformedEvent as exc:
-                        state.advance(position)
+                        state.advance(Position(partition, offset))
                         counts["malformed"] += 1
                         log.warning("skipped malformed record at partition %d offset %d: %s",
-                                    tp.partition, record.offset, exc)
+                                    partition, offset, exc)
                         continue
-                    state.apply(event, position)
-                    counts["events"] += 1
-                if tp in remaining and records and records[-1].offset >= ends[tp] - 1:
+                    apply(event, Position(partition, offset))
+                if tp in remaining and records and records[-1].offset >= end - 1:
                     remaining.discard(tp)
+            counts["events"] += done
             on_progress(done)
+        counts["events"] -= counts["malformed"]
     finally:
         await consumer.stop()
     return counts
 
 
 def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) -> None:
-    """Write the state's entries and applied offsets to RocksDB, in write batches."""
+    """Write the state's entries and applied offsets to RocksDB, in write batches.
+
+    The write-ahead log is skipped and the files flushed at the end: a rebuild that
+    stops half-way is started again on a new dir anyway.
+    """
+    options = WriteOptions()
+    options.disable_wal = True
     dbs = {p: datadir.open_partition(p) for p in partitions}
     try:
-        batches = {p: WriteBatch(raw_mode=True) for p in dbs}
-        pending = 0
-        for partition, entry in state.entries():
-            batches[partition].put(entry_key(entry.endpoint, entry.hash), encode_entry(entry))
-            pending += 1
-            if pending >= WRITE_BATCH:
-                for p, batch in batches.items():
-                    dbs[p].write(batch)
-                batches = {p: WriteBatch(raw_mode=True) for p in dbs}
-                pending = 0
-        for partition, offset in state.applied.items():
-            batches[partition].put(APPLIED_KEY, encode_applied(offset))
-        for p, batch in batches.items():
-            dbs[p].write(batch)
+        for partition, db in dbs.items():
+            batch, pending = WriteBatch(raw_mode=True), 0
+            for name, cache in state.endpoints.items():
+                if cache.partition != partition:
+                    continue
+                for key, value in endpoint_records(name, cache.entries.items()):
+                    batch.put(key, value)
+                pending += len(cache.entries)
+                if pending >= WRITE_BATCH:
+                    db.write(batch, options)
+                    batch, pending = WriteBatch(raw_mode=True), 0
+            if partition in state.applied:
+                batch.put(APPLIED_KEY, encode_applied(state.applied[partition]))
+            db.write(batch, options)
+            db.flush()
     finally:
         for db in dbs.values():
             db.close()
@@ -183,9 +194,10 @@ class _Part:
 _progress_counter: Any = None
 
 
-def _count_progress(counter: Any) -> None:
+def _init_replay_process(counter: Any, level: int) -> None:
     global _progress_counter
     _progress_counter = counter
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _add_progress(done: int) -> None:
@@ -198,6 +210,7 @@ def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Ca
     """Replay some partitions and write their files (run in a process of its own)."""
     if tansu:
         apply_remedies()
+    gc.disable()  # a batch job that makes no reference cycles: collections only cost time
     state = CacheState(capacity)
     started = time.monotonic()
     counts = asyncio.run(replay(bootstrap, topic, partitions, state, until, _add_progress))
@@ -242,12 +255,13 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity))
     count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
     groups = [partitions[i::count] for i in range(count)]
-    context = multiprocessing.get_context("spawn")
+    # fork: no threads run here yet, and a forked worker starts in milliseconds
+    context = multiprocessing.get_context("fork")
     counter = context.Value("q", 0)
     progress = Progress(total)
     started = time.monotonic()
-    with ProcessPoolExecutor(count, mp_context=context, initializer=_count_progress,
-                             initargs=(counter,)) as pool:
+    with ProcessPoolExecutor(count, mp_context=context, initializer=_init_replay_process,
+                             initargs=(counter, logging.getLogger().level)) as pool:
         futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
                                settings.capacity, until, datadir.root, tansu) for group in groups]
         while not all(f.done() for f in futures):

@@ -11,7 +11,7 @@ entries by recency, since a placement's items are touched in request order.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 
 from stream.core.cache import Effects, Entry
 
@@ -20,6 +20,7 @@ __all__ = [
     "decode_applied",
     "encode_applied",
     "encode_entry",
+    "endpoint_records",
     "entry_key",
     "read_partition",
     "write_effects",
@@ -49,6 +50,14 @@ def encode_applied(offset: int) -> bytes:
 def decode_applied(raw: bytes) -> int:
     """Inverse of ``encode_applied``."""
     return int(_OFFSET.unpack(raw)[0])
+
+
+def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Iterator[tuple[bytes, bytes]]:
+    """Records of one whole LRU given least recent first (hash, size), ranked by position."""
+    prefix = _ENTRY + endpoint.encode() + b"\x00"
+    pack = _VALUE.pack
+    for index, (digest, size) in enumerate(entries):
+        yield prefix + digest.encode(), pack(0, index, size)
 
 
 def write_effects(
