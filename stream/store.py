@@ -18,6 +18,7 @@ from stream.core.cache import Effects, Entry
 __all__ = [
     "APPLIED_KEY",
     "decode_applied",
+    "effect_records",
     "encode_applied",
     "encode_entry",
     "endpoint_records",
@@ -60,15 +61,26 @@ def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Itera
         yield prefix + digest.encode(), pack(0, index, size)
 
 
+def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[bytes, bytes | None]]:
+    """The records (``None`` deletes) that mirror one applied event, in the fold's order,
+    the applied offset last: a store holding a prefix of them is the state before the
+    event plus part of it, which re-applying the event completes."""
+    for entry in effects.upserts:
+        yield entry_key(entry.endpoint, entry.hash), encode_entry(entry)
+    for endpoint, digest in effects.removals:
+        yield entry_key(endpoint, digest), None
+    yield APPLIED_KEY, encode_applied(applied_offset)
+
+
 def write_effects(
     table: MutableMapping[bytes, bytes], effects: Effects, applied_offset: int
 ) -> None:
-    """Mirror one applied event into the store, in the order the fold produced it."""
-    for entry in effects.upserts:
-        table[entry_key(entry.endpoint, entry.hash)] = encode_entry(entry)
-    for endpoint, digest in effects.removals:
-        del table[entry_key(endpoint, digest)]
-    table[APPLIED_KEY] = encode_applied(applied_offset)
+    """Mirror one applied event into a mapping store (a dict or a rocksdict file)."""
+    for key, value in effect_records(effects, applied_offset):
+        if value is None:
+            del table[key]
+        else:
+            table[key] = value
 
 
 def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, list[Entry]]:

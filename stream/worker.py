@@ -9,12 +9,16 @@ partitions, so the view always equals the durable state of the partitions this w
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from collections.abc import MutableMapping
+from typing import Any, Protocol
 
 import faust
 import mode
 from aiohttp import web
+from faust.types import TP
+from rocksdict import WriteBatch
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
@@ -24,19 +28,91 @@ from stream.datadir import TABLE_NAME
 from stream.http_api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
-from stream.store import read_partition, write_effects
+from stream.store import effect_records, read_partition, write_effects
 
-__all__ = ["StateKeeper", "build_worker"]
+__all__ = ["MappingMirror", "Mirror", "StateKeeper", "TableMirror", "build_worker"]
+
+# Events are taken from the stream in batches of up to EVENT_BATCH, or whatever arrived
+# within EVENT_BATCH_WAIT_S: Faust's per-event stream overhead is paid once per batch.
+EVENT_BATCH = 1000
+EVENT_BATCH_WAIT_S = 0.002
 
 log = logging.getLogger(__name__)
 
 
-class StateKeeper:
-    """The agent's logic: decode a record, fold it into the view, mirror it to the table."""
+class Mirror(Protocol):
+    """Where the keeper writes what each applied event changed."""
 
-    def __init__(self, state: CacheState, table: Any, metrics: Metrics) -> None:
-        self.state = state
+    def write(self, partition: int, effects: Effects, applied_offset: int) -> None:
+        """Record one event's changes in that partition's store."""
+
+
+class MappingMirror:
+    """A mirror into plain mappings, one per partition (a dict, or a rocksdict file)."""
+
+    def __init__(self, stores: dict[int, MutableMapping[bytes, bytes]]) -> None:
+        self.stores = stores
+
+    def write(self, partition: int, effects: Effects, applied_offset: int) -> None:
+        """Apply the records to the partition's mapping."""
+        write_effects(self.stores.setdefault(partition, {}), effects, applied_offset)
+
+
+class TableMirror:
+    """A mirror into the Faust table's RocksDB files and its changelog topic.
+
+    Faust's per-key table API was measured here at ~200 µs per key (a future, a buffer
+    task and a callback per record): 3 keys per event capped ingest near 800 events/s.
+    This writes each event's records in one WriteBatch and hands the changelog records
+    to the producer in order. Like Faust, it stores in each partition's file the highest
+    changelog offset the broker acknowledged, so recovery reads only what came after.
+    Faust flushes the producer before it commits source offsets, so a committed event's
+    changelog records are durable.
+    """
+
+    def __init__(self, app: faust.App, table: Any) -> None:
+        self.app = app
         self.table = table
+        self.changelog = table.changelog_topic.get_topic_name()
+        self._unsent: list[tuple[int, bytes, bytes | None]] = []
+        self._acked: dict[int, int] = {}
+
+    def write(self, partition: int, effects: Effects, applied_offset: int) -> None:
+        """Write one event's records to the partition's file; queue them for the changelog."""
+        batch = WriteBatch(raw_mode=True)
+        for key, value in effect_records(effects, applied_offset):
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+            self._unsent.append((partition, key, value))
+        self.table.data._db_for_partition(partition).write(batch)
+
+    async def flush(self) -> None:
+        """Hand the queued records to the producer; persist acknowledged offsets."""
+        send = self.app.producer.send
+        for partition, key, value in self._unsent:
+            ack = await send(self.changelog, key, value, partition, None, None)
+            ack.add_done_callback(self._on_ack)
+        self._unsent.clear()
+        for partition, offset in self._acked.items():
+            self.table.data.set_persisted_offset(TP(self.changelog, partition), offset)
+        self._acked.clear()
+
+    def _on_ack(self, ack: asyncio.Future[Any]) -> None:
+        if not ack.cancelled() and ack.exception() is None:
+            metadata = ack.result()
+            self._acked[metadata.partition] = max(
+                metadata.offset, self._acked.get(metadata.partition, -1)
+            )
+
+
+class StateKeeper:
+    """The agent's logic: decode a record, fold it into the view, mirror it to the store."""
+
+    def __init__(self, state: CacheState, mirror: Mirror, metrics: Metrics) -> None:
+        self.state = state
+        self.mirror = mirror
         self.metrics = metrics
 
     def apply_record(self, partition: int, offset: int, raw: bytes | None) -> None:
@@ -46,7 +122,7 @@ class StateKeeper:
             event = decode_event(raw)
         except MalformedEvent as exc:
             if self.state.advance(position):
-                write_effects(self.table, Effects(), offset)
+                self.mirror.write(partition, Effects(), offset)
                 self.metrics.malformed.inc()
                 log.warning("skipped malformed record at partition %d offset %d: %s",
                             partition, offset, exc)
@@ -55,7 +131,7 @@ class StateKeeper:
         if effects is None:
             self.metrics.redelivered.inc()
             return
-        write_effects(self.table, effects, offset)
+        self.mirror.write(partition, effects, offset)
         self.metrics.events.labels(event.type).inc()
 
     def reload(self, partitions: dict[int, Any]) -> None:
@@ -149,6 +225,10 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "key_serializer": "raw",
         "value_serializer": "raw",
         "producer_acks": -1,
+        # the changelog is written asynchronously and flushed before every commit:
+        # batching its records costs no correctness and saves a request per record
+        "producer_linger": 0.005,
+        "producer_max_batch_size": 1024 * 1024,
         "consumer_auto_offset_reset": "earliest",
         "table_standby_replicas": 0,
         "topic_disable_leader": True,
@@ -170,12 +250,15 @@ def build_worker(
     state = CacheState(settings.capacity)
     readiness = Readiness(app, settings.events_topic, state)
     metrics = Metrics(state, readiness.lag)
-    keeper = StateKeeper(state, table, metrics)
+    mirror = TableMirror(app, table)
+    keeper = StateKeeper(state, mirror, metrics)
 
     @app.agent(topic, name="apply-events")
     async def apply_events(stream: faust.StreamT[bytes]) -> None:
-        async for event in stream.events():
-            keeper.apply_record(event.message.partition, event.message.offset, event.value)
+        async for events in stream.take_events(EVENT_BATCH, within=EVENT_BATCH_WAIT_S):
+            for event in events:
+                keeper.apply_record(event.message.partition, event.message.offset, event.value)
+            await mirror.flush()
 
     @table.on_recover
     async def reload_view() -> None:

@@ -16,7 +16,7 @@ from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Po
 from stream.core.items import Item
 from stream.metrics import Metrics
 from stream.store import APPLIED_KEY, decode_applied
-from stream.worker import StateKeeper
+from stream.worker import MappingMirror, StateKeeper
 from tests.unit.test_store import Scenario, scenarios, view
 
 SETTINGS = settings(max_examples=100, deadline=None)
@@ -24,7 +24,11 @@ SETTINGS = settings(max_examples=100, deadline=None)
 
 def keeper_for(capacity: Capacity) -> StateKeeper:
     state = CacheState(capacity)
-    return StateKeeper(state, {}, Metrics(state, lambda: {}))
+    return StateKeeper(state, MappingMirror({0: {}}), Metrics(state, lambda: {}))
+
+
+def table_of(keeper: StateKeeper) -> dict:
+    return keeper.mirror.stores[0]
 
 
 def records_of(scenario: Scenario) -> list[tuple[int, bytes]]:
@@ -56,7 +60,7 @@ def events_counted(keeper: StateKeeper) -> float:
 
 def reloaded(keeper: StateKeeper) -> CacheState:
     fresh = keeper_for(keeper.state.capacity)
-    fresh.reload({0: keeper.table})
+    fresh.reload({0: table_of(keeper)})
     return fresh.state
 
 
@@ -76,7 +80,7 @@ def test_applying_records_in_order_builds_the_state(scenario):
     assert sample(keeper, "mmcache_redelivered_events_total") == 0
     assert sample(keeper, "mmcache_malformed_events_total") == 0
     if scenario.log:
-        assert decode_applied(keeper.table[APPLIED_KEY]) == scenario.log[-1][0].offset
+        assert decode_applied(table_of(keeper)[APPLIED_KEY]) == scenario.log[-1][0].offset
 
 
 @SETTINGS
@@ -85,13 +89,13 @@ def test_redelivered_suffix_changes_neither_state_nor_table(scenario, data):
     keeper = keeper_for(scenario.capacity)
     records = records_of(scenario)
     feed(keeper, records)
-    digest, applied, table = keeper.state.digest(), dict(keeper.state.applied), dict(keeper.table)
+    digest, applied, table = keeper.state.digest(), dict(keeper.state.applied), dict(table_of(keeper))
     counted = events_counted(keeper)
     start = data.draw(st.integers(0, len(records)), label="start")
     feed(keeper, records[start:])
     assert keeper.state.digest() == digest
     assert keeper.state.applied == applied
-    assert keeper.table == table
+    assert table_of(keeper) == table
     assert sample(keeper, "mmcache_redelivered_events_total") == len(records) - start
     assert events_counted(keeper) == counted
 
@@ -106,8 +110,8 @@ def test_crash_reload_and_redelivery_equals_one_pass(scenario, data):
     first = keeper_for(scenario.capacity)
     feed(first, records[:stop])
     second = keeper_for(scenario.capacity)
-    second.table = first.table
-    second.reload({0: second.table})
+    second.mirror.stores[0] = first.mirror.stores[0]
+    second.reload({0: table_of(second)})
     feed(second, records[resume:])
     once = fold(scenario)
     assert second.state.digest() == once.digest()
@@ -134,7 +138,7 @@ def test_reload_replaces_the_previous_view():
     stray = ItemsPlaced(endpoint="stray", items=[Item("z", 1, "image")])
     keeper.state.apply(stray, Position(5, 0))  # not in the table
     assert keeper.state.digest() != digest
-    keeper.reload({0: keeper.table})
+    keeper.reload({0: table_of(keeper)})
     assert keeper.state.digest() == digest
     assert keeper.state.applied == {0: 0}
     assert "z" not in keeper.state.holders
@@ -172,14 +176,14 @@ MALFORMED = {
 def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
-    digest, table = keeper.state.digest(), dict(keeper.table)
+    digest, table = keeper.state.digest(), dict(table_of(keeper))
     entries = {k: v for k, v in table.items() if k != APPLIED_KEY}
 
     keeper.apply_record(0, 2, raw)
     assert sample(keeper, "mmcache_malformed_events_total") == 1
     assert keeper.state.applied == {0: 2}
     assert keeper.state.digest() == digest
-    assert {k: v for k, v in keeper.table.items() if k != APPLIED_KEY} == entries
+    assert {k: v for k, v in table_of(keeper).items() if k != APPLIED_KEY} == entries
     assert events_counted(keeper) == 2
 
     keeper.apply_record(0, 2, raw)  # redelivered: not counted again
@@ -189,7 +193,7 @@ def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
     keeper.apply_record(0, 3, encode_event(PLACE_C))
     assert view(keeper.state) == {"ns/pod": [("a", 1), ("b", 2)], "ns/other": [("a", 1)]}
     assert keeper.state.applied == {0: 3}
-    assert decode_applied(keeper.table[APPLIED_KEY]) == 3
+    assert decode_applied(table_of(keeper)[APPLIED_KEY]) == 3
     assert events_counted(keeper) == 3
     assert sample(keeper, "mmcache_malformed_events_total") == 1
     assert reloaded(keeper).digest() == keeper.state.digest()
