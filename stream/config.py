@@ -1,5 +1,6 @@
 """One frozen settings object: flags win over ``MMCACHE_*`` variables, which win over
-the YAML ``--config`` file (Go plugin parameter names), which wins over defaults."""
+the YAML ``--config`` file (Go plugin parameter names), which wins over defaults.
+"""
 
 from __future__ import annotations
 

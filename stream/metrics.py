@@ -1,6 +1,7 @@
 """Prometheus metrics. Hit and query counters live in plain dicts and are turned into
 metric families only when scraped, so a 64-endpoint match adds dict increments to the
-hot path instead of hundreds of labelled-counter calls."""
+hot path instead of hundreds of labelled-counter calls.
+"""
 
 from __future__ import annotations
 

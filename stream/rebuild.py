@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ class Until:
             return cls(offset=int(text))
         moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
         if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=timezone.utc)
+            moment = moment.replace(tzinfo=UTC)
         return cls(timestamp_ms=int(moment.timestamp() * 1000))
 
     def stops_before(self, offset: int, timestamp_ms: int) -> bool:
@@ -105,7 +105,8 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
                  until: Until = Until(), on_progress: Callable[[int], None] = lambda n: None,
                  ) -> dict[str, int]:
     """Fold the given partitions of the topic into ``state``, up to the end offsets seen at
-    the start (or ``until``); return counts of applied events and malformed records."""
+    the start (or ``until``); return counts of applied events and malformed records.
+    """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
         enable_auto_commit=False,

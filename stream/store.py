@@ -64,7 +64,8 @@ def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Itera
 def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[bytes, bytes | None]]:
     """The records (``None`` deletes) that mirror one applied event, in the fold's order,
     the applied offset last: a store holding a prefix of them is the state before the
-    event plus part of it, which re-applying the event completes."""
+    event plus part of it, which re-applying the event completes.
+    """
     for entry in effects.upserts:
         yield entry_key(entry.endpoint, entry.hash), encode_entry(entry)
     for endpoint, digest in effects.removals:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import platform
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
@@ -59,7 +59,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     finally:
         if broker is not None:
             broker.stop()
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "quick": quick,
             "machine": f"{platform.machine()}, {platform.python_implementation()} "
                        f"{platform.python_version()}"}
     out.parent.mkdir(parents=True, exist_ok=True)

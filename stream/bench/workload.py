@@ -1,5 +1,6 @@
 """The benchmark workload (performance issue): 1,000 endpoints, hex sha256 hashes,
-placements of 1-3 items to 1-2 endpoints, matches naming 64 endpoints and 8 items."""
+placements of 1-3 items to 1-2 endpoints, matches naming 64 endpoints and 8 items.
+"""
 
 from __future__ import annotations
 

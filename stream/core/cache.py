@@ -273,7 +273,8 @@ class CacheState:
 
 def combine_digests(parts: Mapping[str, bytes]) -> str:
     """Digest of a state from its endpoints' digests, however the endpoints were split
-    between processes (``rebuild`` replays partitions in parallel)."""
+    between processes (``rebuild`` replays partitions in parallel).
+    """
     h = hashlib.sha256()
     for name in sorted(parts):
         _put(h, name)

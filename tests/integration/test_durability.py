@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.integration.conftest import Service, eventually, http
@@ -109,7 +109,7 @@ def test_rebuild_equals_live_and_until_rebuilds_the_past(make_service, tmp_path)
     service.post("/v1/endpoint-events", {"type": "deleted", "endpoint": pods[0]})
     eventually(lambda: _entries(service) == 8 * 6)  # 3 rounds x 2 distinct items, pods 1-8
     time.sleep(0.05)
-    past, past_digest = datetime.now(timezone.utc).isoformat(), service.digest()
+    past, past_digest = datetime.now(UTC).isoformat(), service.digest()
     time.sleep(0.05)
     service.post("/v1/endpoint-events", {"type": "sync", "live": pods[:5]})
     _place(service, pods[1], ["late"])
@@ -127,7 +127,7 @@ def test_rebuilt_dir_seeds_a_new_deployment_that_resumes_from_its_offsets(make_s
         _place(old, f"ns/seed-{i % 6}", [f"s{i}"])
     eventually(lambda: _entries(old) == 20)
     time.sleep(0.05)
-    cut = datetime.now(timezone.utc).isoformat()
+    cut = datetime.now(UTC).isoformat()
     time.sleep(0.05)
     for i in range(20, 30):
         _place(old, f"ns/seed-{i % 6}", [f"s{i}"])
