@@ -100,7 +100,7 @@ class EndpointCache:
     weight: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EndpointMatch:
     """The match data attached to one candidate endpoint (EncoderCacheMatchInfo)."""
 
@@ -241,16 +241,31 @@ class CacheState:
     # -- queries ---------------------------------------------------------------------
 
     def match(self, items: Sequence[Item], endpoints: Iterable[str]) -> list[EndpointMatch]:
-        """Score each distinct endpoint, in request order, by the items it holds."""
+        """Score each distinct endpoint, in request order, by the items it holds.
+
+        Walks the inverted index from the request's few items to the endpoints holding
+        them, so the cost follows the hits, not endpoints x items.
+        """
         if not items:
             return []
+        requested = dict.fromkeys(endpoints)
+        hits: dict[str, list[Item]] = {}
+        for item in items:
+            holders = self.holders.get(item.hash)
+            if not holders:
+                continue
+            for name in holders if len(holders) < len(requested) else requested:
+                if name in requested and name in holders:
+                    hits.setdefault(name, []).append(item)
         total = sum(item.size for item in items)
-        held = [(item, self.holders.get(item.hash)) for item in items]
         results = []
-        for name in dict.fromkeys(endpoints):
-            matched = [item for item, holders in held if holders and name in holders]
-            weight = sum(item.size for item in matched)
-            results.append(EndpointMatch(name, matched, weight, total, weight / total))
+        for name in requested:
+            matched = hits.get(name)
+            if matched is None:
+                results.append(EndpointMatch(name, [], 0, total, 0.0))
+            else:
+                weight = sum(item.size for item in matched)
+                results.append(EndpointMatch(name, matched, weight, total, weight / total))
         return results
 
     def summary(self, limit: int) -> list[EndpointSummary]:

@@ -55,7 +55,7 @@ def extract_items(body: Any, path: str = "body") -> list[Item]:
     for key, source in _SOURCES:
         value = body.get(key)
         if value is not None:
-            found.append(unique_items(source(value, f"{path}.{key}")))
+            found.append(unique_items(source(value, lambda: f"{path}.{key}")))
     for items in found:
         if items:
             return items
@@ -70,9 +70,14 @@ def unique_items(items: Iterable[Item]) -> list[Item]:
     return list(seen.values())
 
 
-def _expect(value: Any, kind: type | tuple[type, ...], path: str, what: str) -> Any:
+# A field path, formatted only when an error names it (valid bodies pay nothing).
+Path = Callable[[], str]
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], path: Path, what: str) -> Any:
+    """Return ``value`` if it is of ``kind``; the path is only formatted for an error."""
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise InvalidField(path, f"must be {what}")
+        raise InvalidField(path(), f"must be {what}")
     return value
 
 
@@ -81,40 +86,41 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _from_tokenized(value: Any, path: str) -> Iterator[Item]:
+def _from_tokenized(value: Any, path: Path) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    prompts = _expect(_or(value.get("prompts"), []), list, f"{path}.prompts", "an array")
+    prompts = _expect(_or(value.get("prompts"), []), list, lambda: f"{path()}.prompts", "an array")
     for p, prompt in enumerate(prompts):
-        ppath = f"{path}.prompts[{p}]"
+        ppath: Path = lambda: f"{path()}.prompts[{p}]"
         _expect(prompt, Mapping, ppath, "an object")
-        features = _expect(_or(prompt.get("mm_features"), []), list, f"{ppath}.mm_features",
-                           "an array")
+        features = _expect(_or(prompt.get("mm_features"), []), list,
+                           lambda: f"{ppath()}.mm_features", "an array")
         for f, feature in enumerate(features):
-            fpath = f"{ppath}.mm_features[{f}]"
+            fpath: Path = lambda: f"{ppath()}.mm_features[{f}]"
             _expect(feature, Mapping, fpath, "an object")
-            digest = _expect(feature.get("hash", ""), str, f"{fpath}.hash", "a string")
+            digest = _expect(feature.get("hash", ""), str, lambda: f"{fpath()}.hash", "a string")
             if not digest:
                 continue
-            modality = _expect(feature.get("modality", ""), str, f"{fpath}.modality", "a string")
+            modality = _expect(feature.get("modality", ""), str, lambda: f"{fpath()}.modality",
+                               "a string")
             length = feature.get("length")
             if length is not None:
-                _expect(length, int, f"{fpath}.length", "an integer")
+                _expect(length, int, lambda: f"{fpath()}.length", "an integer")
             size = length if length is not None and length >= 1 else 1
             if size > MAX_ITEM_SIZE:
-                raise InvalidField(f"{fpath}.length", f"must be at most {MAX_ITEM_SIZE}")
+                raise InvalidField(f"{fpath()}.length", f"must be at most {MAX_ITEM_SIZE}")
             yield Item(digest, size, modality)
 
 
-def _from_generate(value: Any, path: str) -> Iterator[Item]:
+def _from_generate(value: Any, path: Path) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    features = _expect(_or(value.get("features"), {}), Mapping, f"{path}.features", "an object")
+    features = _expect(_or(value.get("features"), {}), Mapping, lambda: f"{path()}.features",
+                       "an object")
     mm_hashes = _expect(_or(features.get("mm_hashes"), {}), Mapping,
-                        f"{path}.features.mm_hashes", "an object")
+                        lambda: f"{path()}.features.mm_hashes", "an object")
     for modality, hashes in mm_hashes.items():
-        hpath = f"{path}.features.mm_hashes.{modality}"
-        _expect(_or(hashes, []), list, hpath, "an array of strings")
-        for i, digest in enumerate(_or(hashes, [])):
-            _expect(digest, str, f"{hpath}[{i}]", "a string")
+        hpath: Path = lambda: f"{path()}.features.mm_hashes.{modality}"
+        for i, digest in enumerate(_expect(_or(hashes, []), list, hpath, "an array of strings")):
+            _expect(digest, str, lambda: f"{hpath()}[{i}]", "a string")
             if digest:
                 yield Item(digest, 1, modality)
 
@@ -122,38 +128,39 @@ def _from_generate(value: Any, path: str) -> Iterator[Item]:
 _URL_BLOCKS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
-def _from_chat(value: Any, path: str) -> Iterator[Item]:
+def _from_chat(value: Any, path: Path) -> Iterator[Item]:
     _expect(value, Mapping, path, "an object")
-    messages = _expect(_or(value.get("messages"), []), list, f"{path}.messages", "an array")
+    messages = _expect(_or(value.get("messages"), []), list, lambda: f"{path()}.messages", "an array")
     for m, message in enumerate(messages):
-        mpath = f"{path}.messages[{m}]"
+        mpath: Path = lambda: f"{path()}.messages[{m}]"
         _expect(message, Mapping, mpath, "an object")
         content = message.get("content")
         if not isinstance(content, list):
             continue
         for b, block in enumerate(content):
-            bpath = f"{mpath}.content[{b}]"
+            bpath: Path = lambda: f"{mpath()}.content[{b}]"
             _expect(block, Mapping, bpath, "an object")
             kind = block.get("type")
             if kind in _URL_BLOCKS:
-                url = _block_url(block.get(kind), f"{bpath}.{kind}", bare_string=kind == "image_url")
+                url = _block_url(block.get(kind), lambda: f"{bpath()}.{kind}",
+                                 bare_string=kind == "image_url")
                 yield Item(media_hash(kind, url), 1, _URL_BLOCKS[kind])
             elif kind == "input_audio":
-                apath = f"{bpath}.input_audio"
+                apath: Path = lambda: f"{bpath()}.input_audio"
                 audio = _expect(block.get(kind), Mapping, apath, "an object")
-                data = _expect(audio.get("data"), str, f"{apath}.data", "a string")
-                fmt = _expect(audio.get("format"), str, f"{apath}.format", "a string")
+                data = _expect(audio.get("data"), str, lambda: f"{apath()}.data", "a string")
+                fmt = _expect(audio.get("format"), str, lambda: f"{apath()}.format", "a string")
                 yield Item(media_hash(kind, f"{fmt}:{data}"), 1, "audio")
 
 
-def _block_url(value: Any, path: str, *, bare_string: bool) -> str:
+def _block_url(value: Any, path: Path, *, bare_string: bool) -> str:
     if bare_string and isinstance(value, str):
         return value
     _expect(value, Mapping, path, "an object with a url")
-    return str(_expect(value.get("url"), str, f"{path}.url", "a string"))
+    return str(_expect(value.get("url"), str, lambda: f"{path()}.url", "a string"))
 
 
-_SOURCES: tuple[tuple[str, Callable[[Any, str], Iterator[Item]]], ...] = (
+_SOURCES: tuple[tuple[str, Callable[[Any, Path], Iterator[Item]]], ...] = (
     ("tokenized", _from_tokenized),
     ("generate", _from_generate),
     ("chat_completions", _from_chat),
