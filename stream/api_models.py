@@ -141,18 +141,21 @@ def check_limits(
     if endpoints is not None:
         if len(endpoints) > limits.max_endpoints:
             raise InvalidField(field, f"at most {limits.max_endpoints} endpoints (max_endpoints)")
-        for i, name in enumerate(endpoints):
-            if len(name) > limits.max_endpoint_chars:
-                raise InvalidField(
-                    f"{field}[{i}]",
-                    f"at most {limits.max_endpoint_chars} characters (max_endpoint_chars)",
-                )
+        i = _first_longer(endpoints, limits.max_endpoint_chars)
+        if i is not None:
+            raise InvalidField(f"{field}[{i}]",
+                               f"at most {limits.max_endpoint_chars} characters (max_endpoint_chars)")
     if items is not None:
         if len(items) > limits.max_items:
             raise InvalidField(items_field, f"at most {limits.max_items} items (max_items)")
-        for i, item in enumerate(items):
-            if len(item.hash) > limits.max_hash_chars:
-                raise InvalidField(
-                    f"{items_field}[{i}].hash",
-                    f"at most {limits.max_hash_chars} characters (max_hash_chars)",
-                )
+        i = _first_longer([item.hash for item in items], limits.max_hash_chars)
+        if i is not None:
+            raise InvalidField(f"{items_field}[{i}].hash",
+                               f"at most {limits.max_hash_chars} characters (max_hash_chars)")
+
+
+def _first_longer(texts: list[str], limit: int) -> int | None:
+    """Index of the first text over ``limit`` characters (one C-level pass when none is)."""
+    if not texts or max(map(len, texts)) <= limit:
+        return None
+    return next(i for i, text in enumerate(texts) if len(text) > limit)

@@ -10,6 +10,7 @@ partitions, so the view always equals the durable state of the partitions this w
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import MutableMapping
 from typing import Any, Protocol
@@ -140,6 +141,9 @@ class StateKeeper:
         for partition, db in partitions.items():
             applied, entries = read_partition(db.items())
             self.state.restore(partition, applied, entries)
+        # The view is long-lived: keep the collector from re-scanning it (a full pass over
+        # a 1M-entry view stalled requests for ~80 ms in the latency benchmark).
+        gc.freeze()
         log.info("state loaded: %d endpoints from partitions %s",
                  len(self.state.endpoints), sorted(partitions))
 

@@ -26,7 +26,14 @@ def _replay(bootstrap: str, quick: bool) -> list[Figure]:
     return replay_figures(bootstrap, 200_000 if quick else 1_000_000, 1 if quick else 3)
 
 
+def _match(bootstrap: str, quick: bool) -> list[Figure]:
+    from stream.bench.match import match_figures
+
+    return match_figures(600_000, 3 if quick else 10, 1 if quick else 3)
+
+
 SCENARIOS: dict[str, Callable[[str, bool], list[Figure]]] = {
+    "match": _match,
     "replay": _replay,
 }
 

@@ -13,7 +13,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict
 
 from stream.core.events import (
     EndpointDeleted,
@@ -100,9 +100,12 @@ class EndpointCache:
     weight: int = 0
 
 
-@dataclass(slots=True)
-class EndpointMatch:
-    """The match data attached to one candidate endpoint (EncoderCacheMatchInfo)."""
+class EndpointMatch(TypedDict):
+    """The match data attached to one candidate endpoint (EncoderCacheMatchInfo).
+
+    A plain dict at run time: the match answer is built for every candidate of every
+    request, and dicts are the cheapest objects to build and to serialize.
+    """
 
     endpoint: str
     matched_items: list[Item]
@@ -258,15 +261,13 @@ class CacheState:
                 if name in requested and name in holders:
                     hits.setdefault(name, []).append(item)
         total = sum(item.size for item in items)
-        results = []
-        for name in requested:
-            matched = hits.get(name)
-            if matched is None:
-                results.append(EndpointMatch(name, [], 0, total, 0.0))
-            else:
-                weight = sum(item.size for item in matched)
-                results.append(EndpointMatch(name, matched, weight, total, weight / total))
-        return results
+        weights = {name: sum(item.size for item in matched) for name, matched in hits.items()}
+        return [
+            {"endpoint": name, "matched_items": hits.get(name, []),
+             "matched_weight": weights.get(name, 0), "total_weight": total,
+             "score": weights.get(name, 0) / total}
+            for name in requested
+        ]
 
     def summary(self, limit: int) -> list[EndpointSummary]:
         """Endpoints with most items first, then by name."""

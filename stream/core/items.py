@@ -7,7 +7,7 @@ items from a request body") so that a mixed fleet agrees on every hash.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -49,7 +49,7 @@ def extract_items(body: Any, path: str = "body") -> list[Item]:
     :class:`InvalidField` naming the field, even when an earlier source wins,
     so that bad input is never half-accepted.
     """
-    if not isinstance(body, Mapping):
+    if not isinstance(body, dict):
         raise InvalidField(path, "must be a JSON object")
     found: list[list[Item]] = []
     for key, source in _SOURCES:
@@ -87,35 +87,40 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _from_tokenized(value: Any, path: Path) -> Iterator[Item]:
-    _expect(value, Mapping, path, "an object")
+    _expect(value, dict, path, "an object")
     prompts = _expect(_or(value.get("prompts"), []), list, lambda: f"{path()}.prompts", "an array")
     for p, prompt in enumerate(prompts):
         ppath: Path = lambda: f"{path()}.prompts[{p}]"
-        _expect(prompt, Mapping, ppath, "an object")
+        _expect(prompt, dict, ppath, "an object")
         features = _expect(_or(prompt.get("mm_features"), []), list,
                            lambda: f"{ppath()}.mm_features", "an array")
         for f, feature in enumerate(features):
-            fpath: Path = lambda: f"{ppath()}.mm_features[{f}]"
-            _expect(feature, Mapping, fpath, "an object")
-            digest = _expect(feature.get("hash", ""), str, lambda: f"{fpath()}.hash", "a string")
-            if not digest:
-                continue
-            modality = _expect(feature.get("modality", ""), str, lambda: f"{fpath()}.modality",
-                               "a string")
-            length = feature.get("length")
-            if length is not None:
-                _expect(length, int, lambda: f"{fpath()}.length", "an integer")
-            size = length if length is not None and length >= 1 else 1
-            if size > MAX_ITEM_SIZE:
-                raise InvalidField(f"{fpath()}.length", f"must be at most {MAX_ITEM_SIZE}")
-            yield Item(digest, size, modality)
+            if isinstance(feature, dict):  # the common, valid case, checked inline
+                digest, modality = feature.get("hash", ""), feature.get("modality", "")
+                length = feature.get("length")
+                if (type(digest) is str and type(modality) is str
+                        and (length is None or (type(length) is int and length <= MAX_ITEM_SIZE))):
+                    if digest:
+                        yield Item(digest, length if length is not None and length >= 1 else 1,
+                                   modality)
+                    continue
+            _reject_feature(feature, lambda: f"{ppath()}.mm_features[{f}]")
+
+
+def _reject_feature(feature: Any, path: Path) -> None:
+    """Raise the error that names what is wrong with a malformed feature."""
+    _expect(feature, dict, path, "an object")
+    _expect(feature.get("hash", ""), str, lambda: f"{path()}.hash", "a string")
+    _expect(feature.get("modality", ""), str, lambda: f"{path()}.modality", "a string")
+    _expect(feature.get("length"), int, lambda: f"{path()}.length", "an integer")
+    raise InvalidField(f"{path()}.length", f"must be at most {MAX_ITEM_SIZE}")
 
 
 def _from_generate(value: Any, path: Path) -> Iterator[Item]:
-    _expect(value, Mapping, path, "an object")
-    features = _expect(_or(value.get("features"), {}), Mapping, lambda: f"{path()}.features",
+    _expect(value, dict, path, "an object")
+    features = _expect(_or(value.get("features"), {}), dict, lambda: f"{path()}.features",
                        "an object")
-    mm_hashes = _expect(_or(features.get("mm_hashes"), {}), Mapping,
+    mm_hashes = _expect(_or(features.get("mm_hashes"), {}), dict,
                         lambda: f"{path()}.features.mm_hashes", "an object")
     for modality, hashes in mm_hashes.items():
         hpath: Path = lambda: f"{path()}.features.mm_hashes.{modality}"
@@ -129,17 +134,17 @@ _URL_BLOCKS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
 def _from_chat(value: Any, path: Path) -> Iterator[Item]:
-    _expect(value, Mapping, path, "an object")
+    _expect(value, dict, path, "an object")
     messages = _expect(_or(value.get("messages"), []), list, lambda: f"{path()}.messages", "an array")
     for m, message in enumerate(messages):
         mpath: Path = lambda: f"{path()}.messages[{m}]"
-        _expect(message, Mapping, mpath, "an object")
+        _expect(message, dict, mpath, "an object")
         content = message.get("content")
         if not isinstance(content, list):
             continue
         for b, block in enumerate(content):
             bpath: Path = lambda: f"{mpath()}.content[{b}]"
-            _expect(block, Mapping, bpath, "an object")
+            _expect(block, dict, bpath, "an object")
             kind = block.get("type")
             if kind in _URL_BLOCKS:
                 url = _block_url(block.get(kind), lambda: f"{bpath()}.{kind}",
@@ -147,7 +152,7 @@ def _from_chat(value: Any, path: Path) -> Iterator[Item]:
                 yield Item(media_hash(kind, url), 1, _URL_BLOCKS[kind])
             elif kind == "input_audio":
                 apath: Path = lambda: f"{bpath()}.input_audio"
-                audio = _expect(block.get(kind), Mapping, apath, "an object")
+                audio = _expect(block.get(kind), dict, apath, "an object")
                 data = _expect(audio.get("data"), str, lambda: f"{apath()}.data", "a string")
                 fmt = _expect(audio.get("format"), str, lambda: f"{apath()}.format", "a string")
                 yield Item(media_hash(kind, f"{fmt}:{data}"), 1, "audio")
@@ -156,7 +161,7 @@ def _from_chat(value: Any, path: Path) -> Iterator[Item]:
 def _block_url(value: Any, path: Path, *, bare_string: bool) -> str:
     if bare_string and isinstance(value, str):
         return value
-    _expect(value, Mapping, path, "an object with a url")
+    _expect(value, dict, path, "an object with a url")
     return str(_expect(value.get("url"), str, lambda: f"{path()}.url", "a string"))
 
 

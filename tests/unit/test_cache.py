@@ -170,7 +170,7 @@ def test_match_does_not_change_recency():
     log.place("e", "a", "b", "c")
     before_digest, before = state.digest(), lru(state, "e")
     result = state.match([Item("a", 1, "image")], ["e"])
-    assert result[0].matched_items == [Item("a", 1, "image")]
+    assert result[0]["matched_items"] == [Item("a", 1, "image")]
     assert state.digest() == before_digest
     assert lru(state, "e") == before == ["a", "b", "c"]
     # The matched item is still the least recent: the next insert evicts it.
@@ -276,7 +276,7 @@ def test_delete_drops_whole_lru_and_holders():
     assert state.holders == {"b": {"e2"}, "c": {"e2"}}
     assert effects.removals == [("e1", "a"), ("e1", "b")]
     assert effects.upserts == []
-    assert state.match([Item("a", 1, "image")], ["e1"])[0].matched_items == []
+    assert state.match([Item("a", 1, "image")], ["e1"])[0]["matched_items"] == []
     check_holders(state)
 
 
@@ -390,8 +390,8 @@ def test_match_scores_by_weight_and_keeps_request_item_order():
     request = [Item("a", 2, "image"), Item("b", 3, "video"), Item("c", 5, "audio")]
     result = state.match(request, ["e1", "e2"])
     assert result == [
-        EndpointMatch("e1", [Item("a", 2, "image"), Item("c", 5, "audio")], 7, 10, 0.7),
-        EndpointMatch("e2", [Item("b", 3, "video")], 3, 10, 0.3),
+        EndpointMatch(endpoint="e1", matched_items=[Item("a", 2, "image"), Item("c", 5, "audio")], matched_weight=7, total_weight=10, score=0.7),
+        EndpointMatch(endpoint="e2", matched_items=[Item("b", 3, "video")], matched_weight=3, total_weight=10, score=0.3),
     ]
 
 
@@ -399,15 +399,15 @@ def test_match_one_result_per_distinct_endpoint_in_request_order():
     state = items_mode(10)
     Log(state).place("e1", "a")
     result = state.match([Item("a", 1, "image")], ["e2", "e1", "e2", "e1", "e3"])
-    assert [m.endpoint for m in result] == ["e2", "e1", "e3"]
-    assert [m.score for m in result] == [0.0, 1.0, 0.0]
+    assert [m["endpoint"] for m in result] == ["e2", "e1", "e3"]
+    assert [m["score"] for m in result] == [0.0, 1.0, 0.0]
 
 
 def test_match_unknown_endpoint_matches_nothing():
     state = items_mode(10)
     Log(state).place("e1", "a")
     [result] = state.match([Item("a", 4, "image")], ["nobody"])
-    assert result == EndpointMatch("nobody", [], 0, 4, 0.0)
+    assert result == EndpointMatch(endpoint="nobody", matched_items=[], matched_weight=0, total_weight=4, score=0.0)
 
 
 def test_match_no_items_gives_empty_list():
@@ -426,15 +426,15 @@ def test_match_full_hit_scores_one():
     state = items_mode(10)
     Log(state).place("e", "a", "b")
     [result] = state.match([Item("b", 1, "image"), Item("a", 1, "image")], ["e"])
-    assert result.matched_items == [Item("b", 1, "image"), Item("a", 1, "image")]
-    assert (result.matched_weight, result.total_weight, result.score) == (2, 2, 1.0)
+    assert result["matched_items"] == [Item("b", 1, "image"), Item("a", 1, "image")]
+    assert (result["matched_weight"], result["total_weight"], result["score"]) == (2, 2, 1.0)
 
 
 def test_match_accepts_any_iterable_of_endpoints():
     state = items_mode(10)
     Log(state).place("e", "a")
     result = state.match([Item("a", 1, "image")], iter(["e"]))
-    assert [m.score for m in result] == [1.0]
+    assert [m["score"] for m in result] == [1.0]
 
 
 def test_match_ignores_evicted_items():
@@ -443,8 +443,8 @@ def test_match_ignores_evicted_items():
     log.place("e", "a")
     log.place("e", "b")
     [result] = state.match([Item("a", 1, "image"), Item("b", 1, "image")], ["e"])
-    assert result.matched_items == [Item("b", 1, "image")]
-    assert result.score == 0.5
+    assert result["matched_items"] == [Item("b", 1, "image")]
+    assert result["score"] == 0.5
 
 
 # -- summary ------------------------------------------------------------------------------

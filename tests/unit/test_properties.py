@@ -328,14 +328,14 @@ def test_match_never_changes_state_and_scores_are_consistent(scenario, hashes):
         assert results == []
         return
     total = sum(item.size for item in request)
-    assert [r.endpoint for r in results] == ENDPOINTS + ["ns/unknown"]
+    assert [r["endpoint"] for r in results] == ENDPOINTS + ["ns/unknown"]
     for result in results:
-        held = state.endpoints.get(result.endpoint)
+        held = state.endpoints.get(result["endpoint"])
         expected = [item for item in request if held and item.hash in held.entries]
-        assert result.matched_items == expected
-        assert result.matched_weight == sum(item.size for item in expected)
-        assert result.total_weight == total
-        assert result.score == result.matched_weight / total
+        assert result["matched_items"] == expected
+        assert result["matched_weight"] == sum(item.size for item in expected)
+        assert result["total_weight"] == total
+        assert result["score"] == result["matched_weight"] / total
 
 
 # (g) a naive model ----------------------------------------------------------------------
