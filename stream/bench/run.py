@@ -32,9 +32,30 @@ def _match(bootstrap: str, quick: bool) -> list[Figure]:
     return match_figures(600_000, 3 if quick else 10, 1 if quick else 3)
 
 
+def _freshness(bootstrap: str, quick: bool) -> list[Figure]:
+    from stream.bench.service import freshness_figures
+
+    return freshness_figures(bootstrap, 100 if quick else 500)
+
+
+def _ingest(bootstrap: str, quick: bool) -> list[Figure]:
+    from stream.bench.service import ingest_figures
+
+    return ingest_figures(bootstrap, 10 if quick else 60)
+
+
+def _restart(bootstrap: str, quick: bool) -> list[Figure]:
+    from stream.bench.service import restart_and_footprint
+
+    return restart_and_footprint(bootstrap, 100_000 if quick else 600_000)
+
+
 SCENARIOS: dict[str, Callable[[str, bool], list[Figure]]] = {
     "match": _match,
+    "freshness": _freshness,
+    "ingest": _ingest,
     "replay": _replay,
+    "restart": _restart,
 }
 
 

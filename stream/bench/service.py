@@ -1,0 +1,206 @@
+"""Figures of a whole `mmcache serve` worker on the broker: ingest, freshness, restart
+and footprint."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from stream.bench.figures import Figure
+from stream.bench.replay import produce_placements, raw_consume_rate
+from stream.bench.workload import Workload
+from stream.config import Settings
+from stream.core.cache import CacheState, Capacity
+from stream.core.events import Position
+from stream.datadir import DataDir
+from stream.kafka.embedded import free_port
+from stream.rebuild import rebuild
+
+__all__ = ["footprint_figures", "freshness_figures", "ingest_figures", "restart_figures"]
+
+
+class Worker:
+    """One `mmcache serve` child process with a persistent HTTP connection."""
+
+    def __init__(self, bootstrap: str, app_id: str, data_dir: Path, topic: str | None = None):
+        self.port = free_port()
+        command = [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--app-id", app_id, "--data-dir", str(data_dir),
+                   "--bootstrap-servers", bootstrap]
+        if topic:
+            command += ["--topic", topic]
+        self.log = open(data_dir.parent / f"{app_id}.log", "ab")  # noqa: SIM115
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One request on the kept-alive connection."""
+        payload = None if body is None else orjson.dumps(body)
+        self.conn.request(method, path, payload, {"Content-Type": "application/json"})
+        response = self.conn.getresponse()
+        data = response.read()
+        return response.status, (orjson.loads(data) if path != "/metrics" else data.decode())
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        """Seconds until /readyz answers 200."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError("the worker exited; see its log")
+            try:
+                if self.call("GET", "/readyz")[0] == 200:
+                    return time.monotonic() - started
+            except OSError:
+                self.conn.close()
+            time.sleep(0.05)
+        raise RuntimeError("the worker did not get ready")
+
+    def metric(self, name: str) -> float:
+        """The sum of one metric's samples."""
+        text = self.call("GET", "/metrics")[1]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name))
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.conn.close()
+        self.process.send_signal(sig)
+        self.process.wait(60)
+        self.log.close()
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def freshness_figures(bootstrap: str, samples: int) -> list[Figure]:
+    """Time from a placement's 202 to the first match that sees it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(bootstrap, f"bench-fresh-{time.time_ns()}", Path(tmp) / "data")
+        try:
+            worker.wait_ready(120)
+            delays = []
+            for i in range(samples):
+                endpoint, digest = f"bench/fresh-{i % 16}", f"fresh-{i}"
+                query = {"endpoints": [endpoint],
+                         "body": {"generate": {"features": {"mm_hashes": {"image": [digest]}}}}}
+                worker.call("POST", "/v1/placements", {
+                    "endpoints": [endpoint], "items": [{"hash": digest, "size": 1, "modality": "image"}]})
+                acked = time.perf_counter()
+                while worker.call("POST", "/v1/match", query)[1]["endpoints"][0]["score"] != 1.0:
+                    pass
+                delays.append((time.perf_counter() - acked) * 1000)
+        finally:
+            worker.stop()
+    p50, p99 = _percentile(delays, 0.5), _percentile(delays, 0.99)
+    note = f"{samples} placements, one at a time, embedded broker"
+    return [Figure("freshness_p50", round(p50, 2), "ms", "<= 10 ms", p50 <= 10, note=note),
+            Figure("freshness_p99", round(p99, 2), "ms", "<= 50 ms", p99 <= 50, note=note)]
+
+
+def ingest_figures(bootstrap: str, seconds: int) -> list[Figure]:
+    """Placements applied per second by one worker from a full topic, against a raw
+    aiokafka consume of the same records."""
+    app_id = f"bench-ingest-{time.time_ns()}"
+    topic = f"{app_id}-events"
+    events = 4_000 * seconds  # more than the worker applies in ``seconds``
+    asyncio.run(produce_placements(bootstrap, topic, events))
+    items_per_event = statistics.mean(len(e.items) for e in Workload().placed_events(20_000))
+    control = asyncio.run(raw_consume_rate(bootstrap, topic))
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = Worker(bootstrap, app_id, Path(tmp) / "data")
+        try:
+            while True:  # the HTTP API is up before Faust starts consuming
+                try:
+                    first = worker.metric("mmcache_events_processed_total")
+                    break
+                except OSError:
+                    worker.conn.close()
+                    time.sleep(0.2)
+            while first == 0:
+                time.sleep(0.2)
+                first = worker.metric("mmcache_events_processed_total")
+            started = time.monotonic()
+            time.sleep(seconds)
+            done = worker.metric("mmcache_events_processed_total") - first
+            elapsed = time.monotonic() - started
+        finally:
+            worker.stop()
+    rate = done / elapsed
+    items = rate * items_per_event
+    return [Figure("ingest_items_per_s", round(items), "items/s",
+                   ">= 30000 items/s and >= 0.2 x raw aiokafka consume (records/s)",
+                   items >= 30_000 and rate / control >= 0.2, round(control),
+                   round(rate / control, 3),
+                   f"{rate:.0f} events/s x {items_per_event:.2f} items, sustained {seconds} s")]
+
+
+def restart_figures(bootstrap: str, events: int) -> tuple[list[Figure], Path, Any]:
+    """Time to ready after a clean restart on a kept data dir holding the workload's
+    state; returns the figures, the stopped worker's data dir and its temp dir."""
+    app_id = f"bench-restart-{time.time_ns()}"
+    topic = f"{app_id}-events"
+    asyncio.run(produce_placements(bootstrap, topic, events))
+    tmp = tempfile.TemporaryDirectory()
+    data = Path(tmp.name) / "data"
+    rebuild(Settings(bootstrap_servers=bootstrap, app_id=app_id, data_dir=data))
+    worker = Worker(bootstrap, app_id, data)
+    worker.wait_ready()  # seeds the changelog from the rebuilt state
+    entries = worker.call("GET", "/v1/state?limit=100000")[1]["endpoints"]
+    count = sum(row["items"] for row in entries)
+    worker.stop()
+    worker = Worker(bootstrap, app_id, data)
+    seconds = worker.wait_ready()
+    worker.stop()
+    return [Figure("restart_to_ready_with_local_state", round(seconds, 2), "s", "<= 5 s",
+                   seconds <= 5, note=f"{count:,} entries")], data, tmp
+
+
+def footprint_figures(data: Path, events: int) -> list[Figure]:
+    """Disk per entry of a stopped worker's compacted files; memory per entry of the view."""
+    datadir = DataDir(data)
+    entries = sum(len(c.entries) for c in datadir.load_state().endpoints.values())
+    for partition in datadir.partitions():
+        db = datadir.open_partition(partition)
+        db.compact_range(None, None)
+        db.close()
+    disk = sum(f.stat().st_size for f in datadir.tables.rglob("*") if f.is_file()
+               and not f.name.startswith(("LOG", "LOCK")))
+    tracemalloc.start()
+    state = CacheState(Capacity.from_params())
+    for offset, event in enumerate(Workload().placed_events(events)):
+        state.apply(event, Position(0, offset))
+    del event
+    view = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    held = sum(len(c.entries) for c in state.endpoints.values())
+    return [
+        Figure("disk_per_entry", round(disk / entries, 1), "B", "<= 60 B after compaction",
+               disk / entries <= 60, note=f"{entries:,} entries, RocksDB files of all partitions"),
+        Figure("match_view_memory_per_entry", round(view / held, 1), "B", "<= 200 B",
+               view / held <= 200, note=f"{held:,} entries, Python heap (tracemalloc)"),
+    ]
+
+
+def restart_and_footprint(bootstrap: str, events: int) -> list[Figure]:
+    """Restart time, then the footprint of the same data dir."""
+    figures, data, tmp = restart_figures(bootstrap, events)
+    try:
+        return figures + footprint_figures(data, events)
+    finally:
+        tmp.cleanup()
+        shutil.rmtree(data, ignore_errors=True)
+        os.sync()
