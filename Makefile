@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit integration lint schemas broker bench clean
+.PHONY: run test unit integration lint schemas broker bench tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,15 @@ run: $(STAMP)
 broker: $(STAMP)
 	$(BIN)/mmcache broker
 
-test: $(STAMP)
+# wrk (Debian package) drives the HTTP benchmarks and their test; installed when missing.
+WRK := $(shell command -v wrk 2>/dev/null)
+
+tools:
+ifeq ($(WRK),)
+	-(apt-get install -y -qq wrk >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wrk >/dev/null 2>&1)) || echo "wrk not installed: HTTP benchmarks need it"
+endif
+
+test: $(STAMP) tools
 	$(BIN)/python -m pytest -q
 
 unit: $(STAMP)
@@ -36,5 +44,5 @@ schemas: $(STAMP)
 clean:
 	rm -rf $(VENV) .mmcache .pytest_cache
 
-bench: $(STAMP)
+bench: $(STAMP) tools
 	$(BIN)/mmcache bench $(if $(QUICK),--quick)

@@ -20,37 +20,44 @@ __all__ = ["SCENARIOS", "render_table", "run"]
 log = logging.getLogger(__name__)
 
 
-def _replay(bootstrap: str, quick: bool) -> list[Figure]:
+def _sized(full: float, quick: float, scale: float | None) -> int:
+    """A size for the full run, the quick run, or a test's tiny ``scale`` of the full one."""
+    return max(1, round(full * scale)) if scale is not None else round(quick or full)
+
+
+def _replay(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.replay import replay_figures
 
-    return replay_figures(bootstrap, 200_000 if quick else 1_000_000, 1 if quick else 3)
+    runs = 1 if quick or scale else 3
+    return replay_figures(bootstrap, _sized(1_000_000, 200_000 if quick else 0, scale), runs)
 
 
-def _match(bootstrap: str, quick: bool) -> list[Figure]:
+def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.match import match_figures
 
-    return match_figures(600_000, 3 if quick else 10, 1 if quick else 3)
+    return match_figures(_sized(600_000, 0, scale), 3 if quick or scale else 10,
+                         1 if quick or scale else 3)
 
 
-def _freshness(bootstrap: str, quick: bool) -> list[Figure]:
+def _freshness(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import freshness_figures
 
-    return freshness_figures(bootstrap, 100 if quick else 500)
+    return freshness_figures(bootstrap, _sized(500, 100 if quick else 0, scale))
 
 
-def _ingest(bootstrap: str, quick: bool) -> list[Figure]:
+def _ingest(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import ingest_figures
 
-    return ingest_figures(bootstrap, 10 if quick else 60)
+    return ingest_figures(bootstrap, _sized(60, 10 if quick else 0, scale))
 
 
-def _restart(bootstrap: str, quick: bool) -> list[Figure]:
+def _restart(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import restart_and_footprint
 
-    return restart_and_footprint(bootstrap, 100_000 if quick else 600_000)
+    return restart_and_footprint(bootstrap, _sized(600_000, 100_000 if quick else 0, scale))
 
 
-SCENARIOS: dict[str, Callable[[str, bool], list[Figure]]] = {
+SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
     "ingest": _ingest,
@@ -72,8 +79,11 @@ def render_table(figures: list[Figure]) -> str:
 
 
 def run(out: Path, quick: bool = False, only: list[str] | None = None,
-        bootstrap: str | None = None) -> list[Figure]:
-    """Run the selected scenarios; write ``out`` (JSON) and ``out`` with ``.md`` (table)."""
+        bootstrap: str | None = None, scale: float | None = None) -> list[Figure]:
+    """Run the selected scenarios; write ``out`` (JSON) and ``out`` with ``.md`` (table).
+
+    ``scale`` shrinks every size to that share of the full run (for the bench's own test).
+    """
     names = only or list(SCENARIOS)
     figures: list[Figure] = []
     broker = None if bootstrap else EmbeddedBroker().start()
@@ -83,7 +93,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
             apply_remedies()
         for name in names:
             log.info("bench scenario %s%s", name, " (quick)" if quick else "")
-            figures += SCENARIOS[name](servers, quick)
+            figures += SCENARIOS[name](servers, quick, scale)
     finally:
         if broker is not None:
             broker.stop()

@@ -1,0 +1,63 @@
+"""The benchmark's own logic at tiny sizes: its JSON, its controls, its pass marks."""
+
+from __future__ import annotations
+
+import shutil
+
+import orjson
+import pytest
+
+from stream.bench.match import ReferenceState, _ms, full_state
+from stream.bench.run import render_table, run
+from stream.core.cache import CacheState, Capacity
+from stream.core.items import Item
+
+KEYS = {"name", "value", "unit", "control", "ratio", "target", "pass", "note"}
+
+
+def test_replay_and_restart_scenarios_write_complete_figures(bootstrap, tmp_path):
+    out = tmp_path / "results.json"
+    figures = run(out, only=["replay", "restart", "freshness"], bootstrap=bootstrap, scale=0.002)
+    written = orjson.loads(out.read_bytes())
+    assert [f["name"] for f in written["figures"]] == [f.name for f in figures]
+    assert {f["name"] for f in written["figures"]} >= {
+        "rebuild_replay_rate", "restart_to_ready_with_local_state", "disk_per_entry",
+        "match_view_memory_per_entry", "freshness_p50", "freshness_p99"}
+    for figure in written["figures"]:
+        assert set(figure) == KEYS
+        assert figure["value"] > 0 and isinstance(figure["pass"], bool)
+        if figure["control"] is not None:
+            assert figure["control"] > 0
+            assert figure["ratio"] == pytest.approx(figure["value"] / figure["control"], rel=0.01)
+    replay = next(f for f in written["figures"] if f["name"] == "rebuild_replay_rate")
+    assert replay["pass"] == (replay["value"] >= 150_000 and replay["ratio"] >= 0.5)
+    table = out.with_suffix(".md").read_text()
+    assert render_table(figures) in table and "rebuild_replay_rate" in table
+
+
+def test_reference_lookup_control_gives_the_same_answers_as_the_index():
+    index = full_state(CacheState(Capacity.from_params(8)), 3000)
+    reference = full_state(ReferenceState(Capacity.from_params(8)), 3000)
+    held = list(index.holders)[:40]
+    items = [Item(h, 1, "image") for h in held[:6]] + [Item("absent", 2, "video")]
+    endpoints = sorted(index.endpoints)[:64] + ["nobody"]
+    assert index.match(items, endpoints) == reference.match(items, endpoints)
+    assert any(m["matched_items"] for m in index.match(items, endpoints))
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian package) is not installed")
+def test_match_scenario_measures_service_control_and_reference(bootstrap, tmp_path):
+    figures = run(tmp_path / "r.json", only=["match"], bootstrap=bootstrap, scale=0.01)
+    by_name = {f.name: f for f in figures}
+    throughput = by_name["match_throughput_vs_bare_handler"]
+    assert throughput.value > 0 and throughput.control > 0
+    assert by_name["match_throughput_vs_reference_lookup"].control > 0
+    assert by_name["match_latency_p99_at_half_peak"].value >= by_name["match_latency_p50_at_half_peak"].value
+
+
+def test_wrk_latency_units_are_read_as_milliseconds():
+    import re
+
+    assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "50%  812.00us")) == pytest.approx(0.812)
+    assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "99%    1.50ms")) == 1.5
+    assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "99%    2.00s")) == 2000.0
