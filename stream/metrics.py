@@ -6,13 +6,13 @@ hot path instead of hundreds of labelled-counter calls.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from stream.core.cache import CacheState, EndpointMatch
+from stream.core.cache import CacheState
 from stream.core.items import Item
 
 __all__ = ["Metrics"]
@@ -69,21 +69,20 @@ class Metrics:
             timer = self._timers[route] = self.request_seconds.labels(route)
         return timer
 
-    def record_match(self, items: Sequence[Item], matches: Iterable[EndpointMatch]) -> None:
-        """Count a match request's queried items and every (endpoint, item) hit."""
+    def record_match(self, items: Sequence[Item], found: Mapping[str, list[Item]]) -> None:
+        """Count a match request's queried items and every (endpoint, item) hit;
+        ``found`` maps the endpoints that hold items to those items (``CacheState.hits``)."""
         if not items:
             return
         queries, hits = self._queries, self._hits
         for item in items:
             queries[item.modality] += 1
-        best = 0.0
-        for match in matches:
-            matched = match["matched_items"]
-            if matched:
-                best = max(best, match["score"])
-                for item in matched:
-                    hits[match["endpoint"], item.modality] += 1
-        self.hit_ratio.observe(best)
+        best = 0
+        for endpoint, matched in found.items():
+            best = max(best, sum(item.size for item in matched))
+            for item in matched:
+                hits[endpoint, item.modality] += 1
+        self.hit_ratio.observe(best / sum(item.size for item in items))
 
     def collect(self) -> Iterator[Metric]:
         """Yield the dict-backed and scrape-time metrics (prometheus_client Collector)."""

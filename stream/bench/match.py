@@ -26,7 +26,7 @@ from aiohttp import web
 from stream.bench.figures import Figure
 from stream.bench.workload import Workload
 from stream.config import Limits
-from stream.core.cache import CacheState, Capacity, EndpointMatch
+from stream.core.cache import CacheState, Capacity
 from stream.core.events import Position
 from stream.core.items import Item
 from stream.http_api import HttpApi
@@ -43,19 +43,16 @@ class ReferenceState(CacheState):
     """The reference plugin's lookup: each candidate endpoint's own LRU is asked for
     each request item (a per-endpoint map), instead of the inverted index."""
 
-    def match(self, items: Any, endpoints: Any) -> list[EndpointMatch]:
+    def hits(self, items: Any, endpoints: Any) -> tuple[list[str], dict[str, list[Item]]]:
         """Ask each endpoint's LRU about each item."""
-        if not items:
-            return []
-        total = sum(item.size for item in items)
-        results = []
-        for name in dict.fromkeys(endpoints):
+        requested = list(dict.fromkeys(endpoints))
+        found = {}
+        for name in requested:
             lru = self.endpoints.get(name)
             matched = [item for item in items if lru is not None and _contains(lru.entries, item)]
-            weight = sum(item.size for item in matched)
-            results.append({"endpoint": name, "matched_items": matched, "matched_weight": weight,
-                            "total_weight": total, "score": weight / total})
-        return results
+            if matched:
+                found[name] = matched
+        return requested, found
 
 
 def _contains(entries: Any, item: Item) -> bool:
@@ -170,14 +167,16 @@ def wrk_rate(url: str, bodies: Path, seconds: int, connections: int = 32) -> flo
 def wrk_paced_latency(url: str, bodies: Path, rate: float, seconds: int) -> tuple[float, float, float]:
     """Latency (p50, p99 in ms) and achieved rate of a paced wrk run at about ``rate`` req/s.
 
-    Each of C connections waits C/rate between its requests (wrk's ``delay`` hook), so
-    the load is set by the clock, not by the answers. (A Python open-loop generator was
+    Each of C connections waits a random time of mean C/rate between its requests
+    (wrk's ``delay`` hook; exponential, so arrivals are Poisson and not in lock-step
+    bursts), so the load is set by the clock, not by the answers. (A Python open-loop generator was
     tried first: against a bare handler it alone showed p50 0.95 ms, p99 8 ms at 1,000
     req/s, too slow to measure this service; wrk2 is not packaged for this machine.)
     """
     connections = max(1, round(rate / 100))  # 10 ms between a connection's requests
-    pause_ms = round(1000 * connections / rate)
-    script = _WRK_SCRIPT % bodies + f"delay = function() return {pause_ms} end\n"
+    pause_ms = 1000 * connections / rate
+    script = _WRK_SCRIPT % bodies + (
+        f"delay = function() return math.floor(-math.log(1 - math.random()) * {pause_ms:.3f} + 0.5) end\n")
     out = _wrk(url, script, seconds, connections, "--latency")
     p50, p99 = (_ms(re.search(rf"\s{share}%\s+([\d.]+)(us|ms|s)\b", out)) for share in (50, 99))
     achieved = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]

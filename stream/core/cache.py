@@ -10,7 +10,6 @@ mirror the change entry by entry (never a whole LRU per placement).
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, TypedDict
@@ -93,10 +92,14 @@ class Effects:
 
 @dataclass(slots=True)
 class EndpointCache:
-    """One endpoint's LRU: item hash -> size, least recent first."""
+    """One endpoint's LRU: item hash -> size, least recent first.
+
+    A plain dict keeps insertion order: a touch re-inserts at the end, eviction takes
+    the first key. It needs ~50 B less per entry than an OrderedDict (no linked list).
+    """
 
     partition: int
-    entries: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    entries: dict[str, int] = field(default_factory=dict)
     weight: int = 0
 
 
@@ -190,7 +193,8 @@ class CacheState:
             weight += size
             upserts.append(Entry(name, digest, size, offset, index))
         while (weight if by_size else len(entries)) > limit:
-            evicted, size = entries.popitem(last=False)
+            evicted = next(iter(entries))
+            size = entries.pop(evicted)
             weight -= size
             self._release(evicted, name)
             effects.removals.append((name, evicted))
@@ -243,31 +247,39 @@ class CacheState:
 
     # -- queries ---------------------------------------------------------------------
 
-    def match(self, items: Sequence[Item], endpoints: Iterable[str]) -> list[EndpointMatch]:
-        """Score each distinct endpoint, in request order, by the items it holds.
+    def hits(
+        self, items: Sequence[Item], endpoints: Iterable[str]
+    ) -> tuple[list[str], dict[str, list[Item]]]:
+        """The distinct endpoints in request order, and the request items each one holds
+        (only endpoints that hold at least one, items in request order).
 
         Walks the inverted index from the request's few items to the endpoints holding
         them, so the cost follows the hits, not endpoints x items.
         """
-        if not items:
-            return []
         requested = dict.fromkeys(endpoints)
-        hits: dict[str, list[Item]] = {}
+        found: dict[str, list[Item]] = {}
         for item in items:
             holders = self.holders.get(item.hash)
             if not holders:
                 continue
             for name in holders if len(holders) < len(requested) else requested:
                 if name in requested and name in holders:
-                    hits.setdefault(name, []).append(item)
+                    found.setdefault(name, []).append(item)
+        return list(requested), found
+
+    def match(self, items: Sequence[Item], endpoints: Iterable[str]) -> list[EndpointMatch]:
+        """Score each distinct endpoint, in request order, by the items it holds."""
+        if not items:
+            return []
+        requested, found = self.hits(items, endpoints)
         total = sum(item.size for item in items)
-        weights = {name: sum(item.size for item in matched) for name, matched in hits.items()}
-        return [
-            {"endpoint": name, "matched_items": hits.get(name, []),
-             "matched_weight": weights.get(name, 0), "total_weight": total,
-             "score": weights.get(name, 0) / total}
-            for name in requested
-        ]
+        results: list[EndpointMatch] = []
+        for name in requested:
+            matched = found.get(name, [])
+            weight = sum(item.size for item in matched)
+            results.append({"endpoint": name, "matched_items": matched, "matched_weight": weight,
+                            "total_weight": total, "score": weight / total})
+        return results
 
     def summary(self, limit: int) -> list[EndpointSummary]:
         """Endpoints with most items first, then by name."""

@@ -68,7 +68,7 @@ def metrics(state) -> Metrics:
 
 
 def match(metrics: Metrics, state: CacheState, items, endpoints) -> None:
-    metrics.record_match(items, state.match(items, endpoints))
+    metrics.record_match(items, state.hits(items, endpoints)[1])
 
 
 def test_queries_count_each_item_by_modality(metrics, state):
@@ -125,8 +125,8 @@ def test_hit_ratio_observes_the_best_score_of_each_request(metrics, state):
 
 
 def test_a_request_without_items_records_nothing(metrics, state):
-    metrics.record_match([], state.match([], ["ns/pod-a"]))
-    metrics.record_match([], [])
+    metrics.record_match([], state.hits([], ["ns/pod-a"])[1])
+    metrics.record_match([], {})
     samples = scrape(metrics)
     assert names(samples, "encoder_cache_queries") == []
     assert names(samples, "encoder_cache_hits") == []
@@ -186,6 +186,6 @@ def test_request_latency_histogram_is_exposed_by_route(metrics):
 
 def test_each_metrics_object_has_its_own_registry(state):
     first, second = Metrics(state, lambda: {}), Metrics(state, lambda: {})
-    first.record_match([IMG_A], state.match([IMG_A], ["ns/pod-a"]))
+    first.record_match([IMG_A], state.hits([IMG_A], ["ns/pod-a"])[1])
     assert value(scrape(first), "encoder_cache_queries_total", modality="image") == 1
     assert names(scrape(second), "encoder_cache_queries") == []

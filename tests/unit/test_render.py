@@ -1,0 +1,36 @@
+"""The /v1/match answer rendered as bytes equals the serialized domain answer."""
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream.core.cache import CacheState, Capacity
+from stream.core.events import ItemsPlaced, Position
+from stream.core.items import Item
+from stream.http_api import render_match
+
+NAMES = ["ns/a", "ns/b", 'ns/"quoted"', "ns/ünïcode", "ns/\\slash"]
+HASHES = ["h1", "h2", "h3", "h4"]
+
+
+def as_json(value):
+    return orjson.loads(orjson.dumps(value, default=lambda i: {"hash": i.hash, "size": i.size,
+                                                               "modality": i.modality},
+                                     option=orjson.OPT_PASSTHROUGH_DATACLASS))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    placements=st.lists(st.tuples(st.sampled_from(NAMES), st.lists(st.sampled_from(HASHES), min_size=1, unique=True)), max_size=12),
+    asked=st.lists(st.tuples(st.sampled_from(HASHES + ["none"]), st.integers(1, 7)), max_size=5, unique_by=lambda t: t[0]),
+    endpoints=st.lists(st.sampled_from(NAMES + ["ns/unknown"]), max_size=8),
+)
+def test_rendered_answer_equals_the_domain_answer(placements, asked, endpoints):
+    state = CacheState(Capacity.from_params(6))
+    for offset, (name, hashes) in enumerate(placements):
+        state.apply(ItemsPlaced(endpoint=name, items=[Item(h, 1, "image") for h in hashes]),
+                    Position(0, offset))
+    items = [Item(h, size, "video") for h, size in asked]
+    rendered = orjson.loads(render_match(items, *state.hits(items, endpoints)))
+    expected = as_json({"request_items": items, "endpoints": state.match(items, endpoints)})
+    assert rendered == expected
