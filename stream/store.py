@@ -2,14 +2,17 @@
 file or a plain dict): one record per (endpoint, hash), so a placement writes only the
 entries it touches, plus one applied-offset record per partition.
 
-Keys: ``0x01 endpoint 0x00 hash`` for entries (endpoint names are printable, so the
-first 0x00 splits them) and ``0x02 "applied"`` for the last applied log offset.
+Keys: ``0x01 endpoint 0x00 hash`` for entries, or ``0x01 endpoint 0x03 32 bytes`` when
+the hash is 64 lower-case hex digits (a sha256, the common case: half the bytes on
+disk), and ``0x02 "applied"`` for the last applied log offset. Endpoint names hold no
+control characters, so the first one after the name tells the two forms apart.
 Values: big-endian ``offset:u64 index:u32 size:u32``; ``(offset, index)`` ranks
 entries by recency, since a placement's items are touched in request order.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterable, Iterator, MutableMapping
 
@@ -33,9 +36,20 @@ _VALUE = struct.Struct(">QII")
 _OFFSET = struct.Struct(">Q")
 
 
+_TEXT, _HEX = b"\x00", b"\x03"
+_SEPARATOR = re.compile(rb"[\x00\x03]")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _hash_bytes(digest: str) -> bytes:
+    if _HEX64.fullmatch(digest):
+        return _HEX + bytes.fromhex(digest)
+    return _TEXT + digest.encode()
+
+
 def entry_key(endpoint: str, digest: str) -> bytes:
     """Key of one LRU entry."""
-    return b"".join((_ENTRY, endpoint.encode(), b"\x00", digest.encode()))
+    return _ENTRY + endpoint.encode() + _hash_bytes(digest)
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -55,10 +69,10 @@ def decode_applied(raw: bytes) -> int:
 
 def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Iterator[tuple[bytes, bytes]]:
     """Records of one whole LRU given least recent first (hash, size), ranked by position."""
-    prefix = _ENTRY + endpoint.encode() + b"\x00"
+    prefix = _ENTRY + endpoint.encode()
     pack = _VALUE.pack
     for index, (digest, size) in enumerate(entries):
-        yield prefix + digest.encode(), pack(0, index, size)
+        yield prefix + _hash_bytes(digest), pack(0, index, size)
 
 
 def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[bytes, bytes | None]]:
@@ -93,9 +107,13 @@ def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, 
     entries: list[Entry] = []
     for key, value in records:
         if key[:1] == _ENTRY:
-            endpoint, _, digest = key[1:].partition(b"\x00")
+            split = _SEPARATOR.search(key, 1)
+            assert split is not None, key
+            at = split.start()
+            raw = key[at + 1:]
+            digest = raw.hex() if key[at:at + 1] == _HEX else raw.decode()
             offset, index, size = _VALUE.unpack(value)
-            entries.append(Entry(endpoint.decode(), digest.decode(), size, offset, index))
+            entries.append(Entry(key[1:at].decode(), digest, size, offset, index))
         elif key == APPLIED_KEY:
             applied = decode_applied(value)
     return applied, entries
