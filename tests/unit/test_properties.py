@@ -10,114 +10,25 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream.codec import decode_event, encode_event
-from stream.core.cache import CacheState, Capacity, Effects, Entry
-from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced, Position
+from stream.core.cache import CacheState, Effects, Entry
+from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
 from stream.core.items import Item
+from tests.unit.eventlogs import EventLogs, Scenario, fold, view
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
 ENDPOINTS = [f"ns/pod-{i}" for i in range(5)]
 HASHES = [f"h{i}" for i in range(6)]
-MODALITIES = ["image", "video", "audio"]
 
 
-def partition_of(endpoint: str, partitions: int) -> int:
-    return ENDPOINTS.index(endpoint) % partitions
-
-
-Record = tuple[Position, Event]
-
-
-@dataclass
-class Scenario:
-    capacity: Capacity
-    partitions: int
-    log: list[Record]  # in the order the producer wrote it
-
-    def by_partition(self) -> dict[int, list[Record]]:
-        out: dict[int, list[Record]] = defaultdict(list)
-        for record in self.log:
-            out[record[0].partition].append(record)
-        return out
-
-
-capacity_st = st.one_of(
-    st.builds(Capacity, st.just("items"), st.integers(1, 4)),
-    st.builds(Capacity, st.just("size"), st.integers(1, 7)),
-)
-
-
-def decode_op(code: int) -> tuple:
-    """Turn one integer into an operation; 0 shrinks to the simplest placement.
-
-    Drawing one integer per operation (instead of nested strategies) keeps generation
-    cheap enough for long logs while hypothesis can still shrink every choice.
-    """
-    code, kind = divmod(code, 8)
-    if kind < 5:
-        code, endpoint = divmod(code, len(ENDPOINTS))
-        code, count = divmod(code, 4)
-        items = []
-        for _ in range(count + 1):
-            code, h = divmod(code, len(HASHES))
-            code, size = divmod(code, 4)
-            code, modality = divmod(code, len(MODALITIES))
-            items.append(Item(HASHES[h], size + 1, MODALITIES[modality]))
-        return ("place", ENDPOINTS[endpoint], items)
-    if kind < 7:
-        return ("delete", ENDPOINTS[code % len(ENDPOINTS)])
-    names = ENDPOINTS + ["ns/elsewhere"]
-    if code % 4 == 0:
-        return ("sync", [])
-    return ("sync", [name for bit, name in enumerate(names) if code >> (bit + 2) & 1])
-
-
-@st.composite
-def scenarios(draw, max_ops: int = 30) -> Scenario:
-    capacity = draw(capacity_st)
-    partitions = draw(st.integers(1, 3))
-    count = draw(st.integers(0, max_ops))
-    ops = [decode_op(draw(st.integers(0, 2**36))) for _ in range(count)]
-    # Offset gaps and request ids vary with one draw, keeping generation cheap.
-    rng = random.Random(draw(st.integers(0, 2**16)))
-    next_offset = [0] * partitions
-    log: list[Record] = []
-
-    def emit(partition: int, event: Event) -> None:
-        offset = next_offset[partition] + rng.choice((0, 0, 0, 1, 5))
-        next_offset[partition] = offset + 1
-        log.append((Position(partition, offset), event))
-
-    for op in ops:
-        if op[0] == "place":
-            _, endpoint, items = op
-            request_id = rng.choice((None, "r"))
-            event = ItemsPlaced(endpoint=endpoint, items=items, request_id=request_id)
-            emit(partition_of(endpoint, partitions), event)
-        elif op[0] == "delete":
-            emit(partition_of(op[1], partitions), EndpointDeleted(endpoint=op[1]))
-        else:
-            event = EndpointsSynced(live=op[1])
-            for partition in range(partitions):
-                emit(partition, event)
-    return Scenario(capacity, partitions, log)
-
-
-def fold(capacity: Capacity, records: list[Record]) -> CacheState:
-    state = CacheState(capacity)
-    for position, event in records:
-        state.apply(event, position)
-    return state
-
-
-def view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+LOGS = EventLogs(ENDPOINTS, HASHES)
+scenarios = LOGS.scenarios
+partition_of = LOGS.partition_of
 
 
 def restore_copy(state: CacheState) -> CacheState:

@@ -9,10 +9,8 @@ the stores back, must give the live state again, with the same applied offsets.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 from rocksdict import Rdict
 
 from stream.core.cache import CacheState, Capacity, Effects, Entry
-from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced, Position
+from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.datadir import DataDir
 from stream.store import (
@@ -33,74 +31,18 @@ from stream.store import (
     read_partition,
     write_effects,
 )
+from tests.unit.eventlogs import EventLogs, Record, Scenario, view
 
 FAUST_OFFSET_KEY = b"__faust\x00offset__"
 
 # Endpoint names and hashes that look like the store's own keys, next to ordinary ones.
 ENDPOINTS = ["ns/pod-0", "ns/pod-1", "applied", "__faust", "ns/p\u00e9-2"]
 HASHES = ["h0", "h1", "applied", "__faust", "offset__", "h\u00e9"]
-MODALITIES = ["image", "video", "audio"]
 
 
-def partition_of(endpoint: str, partitions: int) -> int:
-    return ENDPOINTS.index(endpoint) % partitions
-
-
-Record = tuple[Position, Event]
-
-
-@dataclass
-class Scenario:
-    capacity: Capacity
-    partitions: int
-    log: list[Record]
-
-
-@st.composite
-def scenarios(draw, max_ops: int = 30, partitions: int | None = None) -> Scenario:
-    """A log as the service writes it: endpoint-keyed events, syncs to every partition."""
-    capacity = draw(
-        st.one_of(
-            st.builds(Capacity, st.just("items"), st.integers(1, 4)),
-            st.builds(Capacity, st.just("size"), st.integers(1, 7)),
-        )
-    )
-    count_partitions = partitions or draw(st.integers(1, 3))
-    codes = draw(st.lists(st.integers(0, 2**32), max_size=max_ops))
-    rng = random.Random(draw(st.integers(0, 2**16)))
-    next_offset = [0] * count_partitions
-    log: list[Record] = []
-
-    def emit(partition: int, event: Event) -> None:
-        offset = next_offset[partition] + rng.choice((0, 0, 0, 1, 5))
-        next_offset[partition] = offset + 1
-        log.append((Position(partition, offset), event))
-
-    for code in codes:
-        code, kind = divmod(code, 8)
-        code, e = divmod(code, len(ENDPOINTS))
-        endpoint = ENDPOINTS[e]
-        if kind < 5:
-            code, count = divmod(code, 3)
-            items = []
-            for _ in range(count + 1):
-                code, h = divmod(code, len(HASHES))
-                code, size = divmod(code, 4)
-                code, m = divmod(code, len(MODALITIES))
-                items.append(Item(HASHES[h], size + 1, MODALITIES[m]))
-            event: Event = ItemsPlaced(endpoint=endpoint, items=items)
-            emit(partition_of(endpoint, count_partitions), event)
-        elif kind < 7:
-            emit(partition_of(endpoint, count_partitions), EndpointDeleted(endpoint=endpoint))
-        else:
-            live = [name for bit, name in enumerate(ENDPOINTS) if code >> bit & 1]
-            for partition in range(count_partitions):
-                emit(partition, EndpointsSynced(live=live))
-    return Scenario(capacity, count_partitions, log)
-
-
-def view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+LOGS = EventLogs(ENDPOINTS, HASHES)
+scenarios = LOGS.scenarios
+partition_of = LOGS.partition_of
 
 
 # -- the two stores ------------------------------------------------------------------------
