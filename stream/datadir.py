@@ -21,7 +21,7 @@ import orjson
 from rocksdict import AccessType, Options, Rdict
 
 from stream.core.cache import CacheState, Capacity
-from stream.store import read_partition
+from stream.store import load_partition
 
 __all__ = ["STATE_FORMAT", "TABLE_NAME", "DataDir", "StateMismatch"]
 
@@ -111,8 +111,7 @@ class DataDir:
         for partition in self.partitions():
             db = self.open_partition(partition, read_only=True)
             try:
-                applied, entries = read_partition(db.items())
+                load_partition(state, partition, db.items())
             finally:
                 db.close()
-            state.restore(partition, applied, entries)
         return state

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
+from faust.stores.rocksdb import Store as FaustStore
 from rocksdict import WriteBatch, WriteOptions
 
 from stream.codec import MalformedEvent, decode_event
@@ -289,7 +290,8 @@ async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: 
     changelog = f"{app_id}-{TABLE_NAME}-changelog"
     partitions = len(datadir.partitions())
     await ensure_topic(bootstrap, changelog, partitions, CHANGELOG_TOPIC_CONFIG)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
+                                max_batch_size=1024 * 1024)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=app_id,
                                 enable_auto_commit=False)
     await producer.start()
@@ -317,13 +319,23 @@ async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: 
                         )
             finally:
                 db.close()
-        await asyncio.gather(*acks)
+        written: dict[int, int] = {}
+        for metadata in await asyncio.gather(*acks):
+            written[metadata.partition] = max(metadata.offset, written.get(metadata.partition, -1))
         if commits:
             consumer.assign(list(commits))
             await consumer.commit(commits)
     finally:
         await consumer.stop()
         await producer.stop()
+    for partition, offset in written.items():
+        # What Faust records after writing a changelog record itself: recovery then
+        # starts after the seeded records instead of reading them all back.
+        db = datadir.open_partition(partition)
+        try:
+            db[FaustStore.offset_key] = str(offset).encode()
+        finally:
+            db.close()
     datadir.seed.unlink()
     log.info("seeded changelog %s with the rebuilt state; resuming %s at %s", changelog, topic,
              {tp.partition: o.offset for tp, o in sorted(commits.items())})

@@ -16,7 +16,7 @@ import re
 import struct
 from collections.abc import Iterable, Iterator, MutableMapping
 
-from stream.core.cache import Effects, Entry
+from stream.core.cache import CacheState, Effects, Entry
 
 __all__ = [
     "APPLIED_KEY",
@@ -25,6 +25,8 @@ __all__ = [
     "encode_applied",
     "encode_entry",
     "endpoint_records",
+    "load_partition",
+    "read_lrus",
     "entry_key",
     "read_partition",
     "write_effects",
@@ -98,22 +100,55 @@ def write_effects(
             table[key] = value
 
 
-def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, list[Entry]]:
-    """Decode one partition's records into its applied offset and its entries.
+Lrus = dict[str, list[tuple[bytes, str]]]
 
-    Records with other keys (e.g. Faust's own offset record) are ignored.
+
+def read_lrus(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, Lrus]:
+    """Decode one partition's records: its applied offset, and per endpoint its entries as
+    (value, hash) pairs in any order; values sort by recency (big-endian offset, index).
+
+    The store iterates in key order, so an endpoint's keys come together: the name is
+    decoded once per run of keys, not once per entry. Other keys (Faust's own offset
+    record) are ignored.
     """
     applied: int | None = None
-    entries: list[Entry] = []
+    lrus: Lrus = {}
+    prefix, hexed, group = b"", False, None
     for key, value in records:
-        if key[:1] == _ENTRY:
+        if key[:1] != _ENTRY:
+            if key == APPLIED_KEY:
+                applied = decode_applied(value)
+            continue
+        if group is None or not key.startswith(prefix):
             split = _SEPARATOR.search(key, 1)
             assert split is not None, key
             at = split.start()
-            raw = key[at + 1:]
-            digest = raw.hex() if key[at:at + 1] == _HEX else raw.decode()
+            prefix, hexed = key[:at + 1], key[at:at + 1] == _HEX
+            group = lrus.setdefault(key[1:at].decode(), [])
+        raw = key[len(prefix):]
+        group.append((value, raw.hex() if hexed else raw.decode()))
+    return applied, lrus
+
+
+def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, list[Entry]]:
+    """Decode one partition's records into its applied offset and its entries."""
+    applied, lrus = read_lrus(records)
+    entries = []
+    for endpoint, pairs in lrus.items():
+        for value, digest in pairs:
             offset, index, size = _VALUE.unpack(value)
-            entries.append(Entry(key[1:at].decode(), digest, size, offset, index))
-        elif key == APPLIED_KEY:
-            applied = decode_applied(value)
+            entries.append(Entry(endpoint, digest, size, offset, index))
     return applied, entries
+
+
+def load_partition(state: CacheState, partition: int, records: Iterable[tuple[bytes, bytes]]) -> None:
+    """Load one partition's store into ``state`` (the fast path of restarts)."""
+    applied, lrus = read_lrus(records)
+    for endpoint, pairs in lrus.items():
+        pairs.sort()
+        state.restore_lru(partition, endpoint, [(digest, _size_of(value)) for value, digest in pairs])
+    state.restore(partition, applied, ())
+
+
+def _size_of(value: bytes) -> int:
+    return int.from_bytes(value[12:16], "big")

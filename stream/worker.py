@@ -29,7 +29,7 @@ from stream.datadir import TABLE_NAME
 from stream.http_api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
-from stream.store import effect_records, read_partition, write_effects
+from stream.store import effect_records, load_partition, write_effects
 
 __all__ = ["MappingMirror", "Mirror", "StateKeeper", "TableMirror", "build_worker"]
 
@@ -139,8 +139,7 @@ class StateKeeper:
         """Replace the view with the durable entries of these partitions' stores."""
         self.state.clear()
         for partition, db in partitions.items():
-            applied, entries = read_partition(db.items())
-            self.state.restore(partition, applied, entries)
+            load_partition(self.state, partition, db.items())
         # The view is long-lived: keep the collector from re-scanning it (a full pass over
         # a 1M-entry view stalled requests for ~80 ms in the latency benchmark).
         gc.freeze()

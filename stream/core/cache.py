@@ -231,13 +231,23 @@ class CacheState:
             by_endpoint.setdefault(entry.endpoint, []).append(entry)
         for name, group in by_endpoint.items():
             group.sort(key=lambda e: (e.offset, e.index))
-            cache = self.endpoints[name] = EndpointCache(partition)
-            for entry in group:
-                cache.entries[entry.hash] = entry.size
-                cache.weight += entry.size
-                self.holders.setdefault(entry.hash, set()).add(name)
+            self.restore_lru(partition, name, [(e.hash, e.size) for e in group])
         if applied is not None:
             self.applied[partition] = applied
+
+    def restore_lru(self, partition: int, name: str, entries: Iterable[tuple[str, int]]) -> None:
+        """Load one endpoint's whole LRU, given least recent first as (hash, size)."""
+        cache = self.endpoints[name] = EndpointCache(partition)
+        lru, holders, weight = cache.entries, self.holders, 0
+        for digest, size in entries:
+            lru[digest] = size
+            weight += size
+            held_by = holders.get(digest)
+            if held_by is None:
+                holders[digest] = {name}
+            else:
+                held_by.add(name)
+        cache.weight = weight
 
     def entries(self) -> Iterable[tuple[int, Entry]]:
         """Every entry with its partition, ranked so that ``restore`` rebuilds this state."""
