@@ -51,13 +51,6 @@ class ApiError(Exception):
         self.message = message
 
 
-def _item_json(item: Any) -> dict[str, Any]:
-    """Items as JSON objects: orjson's own dataclass path was measured 4x slower."""
-    if isinstance(item, Item):
-        return {"hash": item.hash, "size": item.size, "modality": item.modality}
-    raise TypeError(f"cannot serialize {type(item).__name__}")
-
-
 _QUOTED: dict[str, bytes] = {}
 _QUOTED_MAX = 100_000
 
@@ -81,7 +74,10 @@ def render_match(items: list[Item], requested: list[str], found: dict[str, list[
     """
     if not items:
         return b'{"request_items":[],"endpoints":[]}'
-    item_json = {id(item): orjson.dumps(_item_json(item)) for item in items}
+    item_json = {  # orjson's own dataclass path was measured 4x slower than a dict
+        id(item): orjson.dumps({"hash": item.hash, "size": item.size, "modality": item.modality})
+        for item in items
+    }
     total = sum(item.size for item in items)
     total_json = str(total).encode()
     no_match = b',"matched_items":[],"matched_weight":0,"total_weight":' + total_json + b',"score":0.0}'
@@ -104,8 +100,7 @@ def render_match(items: list[Item], requested: list[str], found: dict[str, list[
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
-    body = orjson.dumps(payload, default=_item_json, option=orjson.OPT_PASSTHROUGH_DATACLASS)
-    return web.Response(body=body, status=status, content_type="application/json")
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
 
 
 def _error(status: int, code: str, message: str) -> web.Response:

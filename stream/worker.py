@@ -2,7 +2,8 @@
 
 Data flow: HTTP writes -> event topic (partitioned by endpoint) -> Faust agent ->
 ``CacheState.apply`` (the pure fold) -> in-memory view for ``/v1/match`` and, entry by
-entry, the RocksDB-backed Faust table whose compacted changelog lets any worker recover.
+entry, the Faust table's RocksDB files and compacted changelog, from which any worker
+recovers.
 After every recovery (start, rebalance) the view is reloaded from the table's active
 partitions, so the view always equals the durable state of the partitions this worker owns.
 """
@@ -34,7 +35,7 @@ from stream.store import effect_records, load_partition, write_effects
 __all__ = ["MappingMirror", "Mirror", "StateKeeper", "TableMirror", "build_worker"]
 
 # Events are taken from the stream in batches of up to EVENT_BATCH, or whatever arrived
-# within EVENT_BATCH_WAIT_S: Faust's per-event stream overhead is paid once per batch.
+# within EVENT_BATCH_WAIT_S; their changelog records go to the producer once per batch.
 EVENT_BATCH = 1000
 EVENT_BATCH_WAIT_S = 0.002
 
