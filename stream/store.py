@@ -21,6 +21,7 @@ from stream.core.cache import CacheState, Effects, Entry
 __all__ = [
     "APPLIED_KEY",
     "decode_applied",
+    "decode_change",
     "effect_records",
     "encode_applied",
     "encode_entry",
@@ -120,14 +121,31 @@ def read_lrus(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, Lrus]
                 applied = decode_applied(value)
             continue
         if group is None or not key.startswith(prefix):
-            split = _SEPARATOR.search(key, 1)
-            assert split is not None, key
-            at = split.start()
-            prefix, hexed = key[:at + 1], key[at:at + 1] == _HEX
+            at, hexed = _split_entry_key(key)
+            prefix = key[:at + 1]
             group = lrus.setdefault(key[1:at].decode(), [])
         raw = key[len(prefix):]
         group.append((value, raw.hex() if hexed else raw.decode()))
     return applied, lrus
+
+
+def decode_change(key: bytes, value: bytes | None) -> tuple[str, str, int | None] | None:
+    """One changelog record as (endpoint, hash, size or ``None`` for a removal); ``None``
+    for records that are not entries (the applied offset)."""
+    if key[:1] != _ENTRY:
+        return None
+    at, hexed = _split_entry_key(key)
+    raw = key[at + 1:]
+    size = None if value is None else _size_of(value)
+    return key[1:at].decode(), raw.hex() if hexed else raw.decode(), size
+
+
+def _split_entry_key(key: bytes) -> tuple[int, bool]:
+    """Where the endpoint name ends in an entry key, and whether a raw sha256 follows."""
+    split = _SEPARATOR.search(key, 1)
+    assert split is not None, key
+    at = split.start()
+    return at, key[at:at + 1] == _HEX
 
 
 def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, list[Entry]]:

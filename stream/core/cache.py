@@ -218,11 +218,35 @@ class CacheState:
 
     # -- loading from a store ------------------------------------------------------
 
-    def clear(self) -> None:
-        """Forget everything, before loading another set of partitions."""
-        self.endpoints.clear()
-        self.holders.clear()
-        self.applied.clear()
+    def drop_partition(self, partition: int) -> None:
+        """Forget one partition's endpoints and offset, before loading it again."""
+        for name in [n for n, cache in self.endpoints.items() if cache.partition == partition]:
+            self._drop(name, Effects())
+        self.applied.pop(partition, None)
+
+    def follow(self, partition: int, endpoint: str, digest: str, size: int | None) -> None:
+        """Mirror one entry change written by another worker (``None`` removes it).
+
+        Changes of a partition arrive in the order the owner's fold made them, so an
+        upsert is the entry's most recent touch: it goes to the recent end of the LRU.
+        """
+        cache = self.endpoints.get(endpoint)
+        if size is None:
+            if cache is not None and digest in cache.entries:
+                cache.weight -= cache.entries.pop(digest)
+                self._release(digest, endpoint)
+                if not cache.entries:
+                    del self.endpoints[endpoint]
+            return
+        if cache is None:
+            cache = self.endpoints[endpoint] = EndpointCache(partition)
+        previous = cache.entries.pop(digest, None)
+        if previous is None:
+            self.holders.setdefault(digest, set()).add(endpoint)
+        else:
+            cache.weight -= previous
+        cache.entries[digest] = size
+        cache.weight += size
 
     def restore(self, partition: int, applied: int | None, entries: Iterable[Entry]) -> None:
         """Load one partition's durable entries (any order) and its applied offset."""

@@ -203,3 +203,21 @@ def test_restart_keeps_state(make_service, tmp_path) -> None:
     assert service.digest() == before
     body = {"generate": {"features": {"mm_hashes": {"image": ["r0"]}}}}
     assert _scores(service, ["ns/r-0", "ns/r-1"], body) == {"ns/r-0": 1.0, "ns/r-1": 0.0}
+
+
+def test_two_workers_of_one_app_both_answer_for_every_endpoint(make_service, tmp_path) -> None:
+    first = make_service(data_dir=tmp_path / "first")
+    second = make_service(app_id=first.app_id, data_dir=tmp_path / "second")
+    pods = [f"ns/shared-{i}" for i in range(12)]  # spread over the 8 partitions
+    for i, pod in enumerate(pods):
+        assert first.post("/v1/placements", {"endpoints": [pod], "items": [_item(f"s{i}")]})[0] == 202
+
+    def same_full_view() -> bool:
+        states = [svc.get("/v1/state?limit=100")[1] for svc in (first, second)]
+        return all(s["total_endpoints"] == 12 for s in states) and states[0]["digest"] == states[1]["digest"]
+
+    eventually(same_full_view, timeout=60)
+    body = {"generate": {"features": {"mm_hashes": {"image": [f"s{i}" for i in range(12)]}}}}
+    for svc in (first, second):
+        scores = _scores(svc, pods, body)
+        assert scores == {pod: 1 / 12 for pod in pods}

@@ -679,3 +679,33 @@ def test_restore_from_mirrored_effects_gives_equal_state():
     copy.restore(1, state.applied[1], [e for e in mirror.values() if e.endpoint == "f"])
     assert copy.digest() == state.digest()
     assert lru(copy, "e") == ["a", "d", "b"]
+
+
+def test_follow_mirrors_another_workers_changes_in_order():
+    owner = CacheState(Capacity("items", 2))
+    follower = CacheState(Capacity("items", 2))
+    log = [
+        ItemsPlaced(endpoint="e", items=[Item("a", 1, "image"), Item("b", 2, "image")]),
+        ItemsPlaced(endpoint="e", items=[Item("a", 1, "image"), Item("c", 3, "video")]),
+        EndpointDeleted(endpoint="e"),
+        ItemsPlaced(endpoint="f", items=[Item("d", 1, "image")]),
+    ]
+    for offset, event in enumerate(log):
+        effects = owner.apply(event, Position(3, offset))
+        for entry in effects.upserts:
+            follower.follow(3, entry.endpoint, entry.hash, entry.size)
+        for endpoint, digest in effects.removals:
+            follower.follow(3, endpoint, digest, None)
+        assert follower.digest() == owner.digest()
+        assert follower.holders == owner.holders
+    assert follower.endpoints["f"].partition == 3
+
+
+def test_drop_partition_forgets_only_that_partition():
+    state = CacheState(Capacity("items", 4))
+    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    state.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image")]), Position(1, 0))
+    state.drop_partition(0)
+    assert list(state.endpoints) == ["f"]
+    assert state.holders == {"a": {"f"}}
+    assert state.applied == {1: 0}

@@ -131,17 +131,20 @@ def test_reload_from_the_table_gives_the_same_state(scenario):
     assert copy.holders == keeper.state.holders
 
 
-def test_reload_replaces_the_previous_view():
+def test_reload_replaces_the_reloaded_partitions_and_keeps_the_others():
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")])))])
     digest = keeper.state.digest()
     stray = ItemsPlaced(endpoint="stray", items=[Item("z", 1, "image")])
-    keeper.state.apply(stray, Position(5, 0))  # not in the table
-    assert keeper.state.digest() != digest
+    keeper.state.apply(stray, Position(0, 7))  # in partition 0's view, not in its table
+    other = ItemsPlaced(endpoint="other", items=[Item("o", 1, "image")])
+    keeper.state.apply(other, Position(5, 0))  # another partition, kept by the follower
     keeper.reload({0: table_of(keeper)})
-    assert keeper.state.digest() == digest
-    assert keeper.state.applied == {0: 0}
+    assert keeper.state.applied == {0: 0, 5: 0}
     assert "z" not in keeper.state.holders
+    assert keeper.state.holders["o"] == {"other"}
+    keeper.state.drop_partition(5)
+    assert keeper.state.digest() == digest
 
 
 # -- malformed records ----------------------------------------------------------------------

@@ -159,7 +159,8 @@ def test_endpoints_and_entries_gauges_follow_the_state(metrics, state):
     samples = scrape(metrics)
     assert value(samples, "mmcache_endpoints") == 2
     assert value(samples, "mmcache_entries") == 5
-    state.clear()
+    for partition in {cache.partition for cache in state.endpoints.values()}:
+        state.drop_partition(partition)
     samples = scrape(metrics)
     assert value(samples, "mmcache_endpoints") == 0
     assert value(samples, "mmcache_entries") == 0
