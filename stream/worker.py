@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 import faust
@@ -152,22 +152,29 @@ class StateKeeper:
 
 
 class ChangelogFollower(mode.Service):
-    """Keeps the view of the partitions other workers own: reads every partition of the
-    table's changelog (no consumer group) and mirrors the entry changes of the partitions
-    this worker does not own, so every worker of an app id answers for all endpoints."""
+    """Keeps the view of the partitions other workers own, so every worker of an app id
+    answers for all endpoints: reads those partitions of the table's changelog (no
+    consumer group) and mirrors their entry changes into the view.
 
-    def __init__(self, bootstrap_servers: str, changelog: str, state: CacheState,
-                 owned: Callable[[], set[int]], **kwargs: Any) -> None:
+    After each rebalance ``follow`` is told which partitions this worker owns; a
+    partition it starts to follow is dropped from the view and read again from its first
+    record (compacted on Kafka), so no change made around the handover is missed. A
+    single worker owns every partition and follows none.
+    """
+
+    def __init__(self, bootstrap_servers: str, changelog: str, view: CacheState,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bootstrap_servers = bootstrap_servers
         self.changelog = changelog
-        self.view = state
-        self.owned = owned
+        self.view = view
+        self.following: set[int] = set()
         self.caught_up = False
         self._consumer: AIOKafkaConsumer | None = None
+        self._assigned = asyncio.Event()
 
     async def on_start(self) -> None:
-        """Connect; the changelog is read from its first record."""
+        """Connect; nothing is read until ``follow`` names the partitions."""
         self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
                                           enable_auto_commit=False)
         await self._consumer.start()
@@ -177,33 +184,49 @@ class ChangelogFollower(mode.Service):
         if self._consumer is not None:
             await self._consumer.stop()
 
-    @mode.Service.task
-    async def _follow(self) -> None:
+    async def follow(self, owned: set[int], partitions: int) -> None:
+        """Follow every partition this worker does not own (called after each recovery)."""
         consumer = self._consumer
         assert consumer is not None
-        while not self.should_stop and not consumer.partitions_for_topic(self.changelog):
-            await consumer._client.force_metadata_update()  # Faust creates it as it starts
-            await self.sleep(0.2)
-        tps = [TopicPartition(self.changelog, p)
-               for p in sorted(consumer.partitions_for_topic(self.changelog) or ())]
+        following = set(range(partitions)) - owned
+        added = following - self.following
+        for partition in added:
+            self.view.drop_partition(partition)
+        self.following = following
+        tps = [TopicPartition(self.changelog, p) for p in sorted(following)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        if added:
+            await consumer.seek_to_beginning(*(TopicPartition(self.changelog, p) for p in added))
+        self.caught_up = not following
+        self._assigned.set()
+
+    @mode.Service.task
+    async def _mirror(self) -> None:
+        await self._assigned.wait()
+        consumer = self._consumer
+        assert consumer is not None
         while not self.should_stop:
+            if not self.following:
+                await self.sleep(0.1)
+                continue
             batches = await consumer.getmany(timeout_ms=100, max_records=10_000)
-            owned = self.owned()
             for tp, records in batches.items():
-                if tp.partition in owned:
+                if tp.partition not in self.following:
                     continue
                 for record in records:
                     change = decode_change(record.key, record.value)
                     if change is not None:
                         self.view.follow(tp.partition, *change)
             if not self.caught_up:
-                behind = 0
-                for tp in tps:
-                    highwater = consumer.highwater(tp)
-                    behind += 1 if highwater is None else max(0, highwater - await consumer.position(tp))
-                self.caught_up = behind == 0
+                self.caught_up = await self._behind(consumer) == 0
+
+    async def _behind(self, consumer: AIOKafkaConsumer) -> int:
+        behind = 0
+        for partition in self.following:
+            tp = TopicPartition(self.changelog, partition)
+            highwater = consumer.highwater(tp)
+            behind += 1 if highwater is None else max(0, highwater - await consumer.position(tp))
+        return behind
 
 
 class HttpService(mode.Service):
@@ -326,16 +349,14 @@ def build_worker(
 
     changelog = table.changelog_topic.get_topic_name()
 
-    def owned() -> set[int]:
-        return {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == changelog}
-
-    follower = ChangelogFollower(bootstrap_servers, changelog, state, owned)
+    follower = ChangelogFollower(bootstrap_servers, changelog, state)
     readiness.follower = follower
 
     @table.on_recover
     async def reload_view() -> None:
-        actives = owned()
-        keeper.reload({p: db for p, db in table.data._dbs.items() if p in actives})
+        owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == changelog}
+        keeper.reload({p: db for p, db in table.data._dbs.items() if p in owned})
+        await follower.follow(owned, partitions)
         readiness.recovered = True
 
     @app.on_partitions_revoked.connect
