@@ -62,15 +62,6 @@ class Capacity(NamedTuple):
         mb = cache_size_mb if cache_size_mb is not None and cache_size_mb > 0 else DEFAULT_CACHE_MB
         return cls("items", max(1, mb // MB_PER_ITEM))
 
-    def admits(self, size: int) -> bool:
-        """Whether an item of this size may be recorded at all."""
-        return self.mode == "items" or size <= self.per_endpoint
-
-    def exceeded_by(self, cache: EndpointCache) -> bool:
-        """Whether the LRU must evict its least-recent entry."""
-        used = len(cache.entries) if self.mode == "items" else cache.weight
-        return used > self.per_endpoint
-
 
 class Entry(NamedTuple):
     """One durable LRU entry; ``(offset, index)`` orders entries by recency."""

@@ -107,12 +107,6 @@ def test_capacity_size_mode_rejects_non_positive():
         Capacity.from_params(embeddings=0)
 
 
-def test_items_mode_admits_any_size_and_size_mode_only_up_to_n():
-    assert Capacity("items", 1).admits(10**9)
-    assert Capacity("size", 10).admits(10)
-    assert not Capacity("size", 10).admits(11)
-
-
 # -- eviction and recency ----------------------------------------------------------------
 
 
