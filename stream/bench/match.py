@@ -89,11 +89,13 @@ def serve(kind: str, port: int, events: int, bodies_path: Path) -> None:
         state_class = ReferenceState if kind == "reference" else CacheState
         state = full_state(state_class(Capacity.from_params()), events)
         gc.freeze()  # as the worker does after loading its view
-        if not bodies_path.exists():
+        if kind == "inverted":
             bodies_path.write_bytes(b"\n".join(request_bodies(state, 500)))
         api = HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0),
                       Metrics(state, dict), Limits(), lambda: True)
         app = api.application()
+    if hasattr(os, "sched_setaffinity"):  # built on any core, served on the server core
+        os.sched_setaffinity(0, {int(SERVER_CORE)})
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
@@ -101,13 +103,15 @@ class Server:
     """A benchmark server in a child process pinned to the server core."""
 
     def __init__(self, kind: str, events: int, bodies: Path) -> None:
+        self.kind = kind
         self.port = free_port()
         command = [sys.executable, "-m", "stream.bench.match", kind, str(self.port), str(events),
                    str(bodies)]
-        if shutil.which("taskset"):
-            command = ["taskset", "-c", SERVER_CORE, *command]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}/v1/match"
+
+    def wait(self) -> Server:
+        """Block until the server answers."""
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -116,10 +120,11 @@ class Server:
                 break
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"bench server {kind} did not start") from None
+                    raise RuntimeError(f"bench server {self.kind} did not start") from None
                 time.sleep(0.2)
             else:
                 break
+        return self
 
     def stop(self) -> None:
         self.process.terminate()
@@ -194,20 +199,24 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp:
         bodies = Path(tmp) / "bodies.jsonl"
         rates: dict[str, list[float]] = {"inverted": [], "reference": [], "control": []}
-        service = Server("inverted", events, bodies)
+        # the two states are built side by side; each server then serves on the server core
+        servers = {kind: Server(kind, events, bodies) for kind in ("inverted", "reference")}
+        service = servers["inverted"]
         try:
+            service.wait()
             answer = urllib.request.urlopen(urllib.request.Request(
                 service.url, data=bodies.read_bytes().splitlines()[0])).read()
             Path(f"{bodies}.answer").write_bytes(answer)
-            servers = {"inverted": service, "reference": Server("reference", events, bodies),
-                       "control": Server("control", events, bodies)}
+            servers["control"] = Server("control", events, bodies)
+            for server in servers.values():
+                server.wait()
             for _ in range(runs):
                 for kind, server in servers.items():
                     rates[kind].append(wrk_rate(server.url, bodies, seconds))
             peak = statistics.median(rates["inverted"])
             p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, max(seconds, 5))
         finally:
-            for server in locals().get("servers", {"inverted": service}).values():
+            for server in servers.values():
                 server.stop()
     service_rate, reference, control = (statistics.median(rates[k]) for k in
                                         ("inverted", "reference", "control"))

@@ -48,7 +48,7 @@ def _freshness(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]
 def _ingest(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import ingest_figures
 
-    return ingest_figures(bootstrap, _sized(60, 10 if quick else 0, scale))
+    return ingest_figures(bootstrap, _sized(60, 8 if quick else 0, scale))
 
 
 def _restart(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
