@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -202,5 +200,3 @@ def restart_and_footprint(bootstrap: str, events: int) -> list[Figure]:
         return figures + footprint_figures(data, events)
     finally:
         tmp.cleanup()
-        shutil.rmtree(data, ignore_errors=True)
-        os.sync()
