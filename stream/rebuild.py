@@ -2,8 +2,8 @@
 
 No consumer group and no changelog writes while replaying: a plain consumer reads
 every partition up to the end offsets seen at the start (or ``until``), the pure fold
-builds the state in memory, and the final entries are written to RocksDB in write
-batches, with each partition's applied offset. The result is the same ``CacheState``
+builds the state in memory, and the final entries are written to RocksDB as one sorted
+SST file per partition, with its applied offset. The result is the same ``CacheState``
 the live worker holds for the same log, so the digests are equal.
 
 A rebuilt dir is marked ``SEED``: the first ``serve`` on it writes its entries to the
@@ -30,7 +30,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from faust.stores.rocksdb import Store as FaustStore
-from rocksdict import WriteBatch, WriteOptions
+from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from stream.codec import MalformedEvent, decode_event
 from stream.config import Settings
@@ -45,7 +45,6 @@ __all__ = ["Until", "rebuild", "seed_deployment"]
 
 log = logging.getLogger(__name__)
 
-WRITE_BATCH = 10_000
 FETCH_RECORDS = 20_000
 
 
@@ -155,32 +154,35 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
 
 
 def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) -> None:
-    """Write the state's entries and applied offsets to RocksDB, in write batches.
+    """Write the state's entries and applied offsets to RocksDB, one partition at a time.
 
-    The write-ahead log is skipped and the files flushed at the end: a rebuild that
-    stops half-way is started again on a new dir anyway.
+    Each partition is written as one SST file in key order and ingested whole
+    (RocksDB's bulk load): no memtable, no write-ahead log, no flush. Keys sort by
+    endpoint name first, because a name's bytes are never control characters and the
+    separator after it is one.
     """
-    options = WriteOptions()
-    options.disable_wal = True
-    dbs = {p: datadir.open_partition(p) for p in partitions}
-    try:
-        for partition, db in dbs.items():
-            batch, pending = WriteBatch(raw_mode=True), 0
-            for name, cache in state.endpoints.items():
-                if cache.partition != partition:
-                    continue
-                for key, value in endpoint_records(name, cache.entries.items()):
-                    batch.put(key, value)
-                pending += len(cache.entries)
-                if pending >= WRITE_BATCH:
-                    db.write(batch, options)
-                    batch, pending = WriteBatch(raw_mode=True), 0
+    names: dict[int, list[tuple[bytes, str]]] = {p: [] for p in partitions}
+    for name, cache in state.endpoints.items():
+        if cache.partition in names:
+            names[cache.partition].append((name.encode(), name))
+    ingest = IngestExternalFileOptions()
+    ingest.set_move_files(True)
+    for partition, endpoints in names.items():
+        db = datadir.open_partition(partition)
+        try:
+            if not endpoints and partition not in state.applied:
+                continue
+            sst = str(datadir.partition_path(partition).with_suffix(".sst"))
+            writer = SstFileWriter(Options(raw_mode=True))
+            writer.open(sst)
+            for _, name in sorted(endpoints):
+                for key, value in sorted(endpoint_records(name, state.endpoints[name].entries.items())):
+                    writer[key] = value
             if partition in state.applied:
-                batch.put(APPLIED_KEY, encode_applied(state.applied[partition]))
-            db.write(batch, options)
-            db.flush()
-    finally:
-        for db in dbs.values():
+                writer[APPLIED_KEY] = encode_applied(state.applied[partition])
+            writer.finish()
+            db.ingest_external_file([sst], ingest)
+        finally:
             db.close()
 
 

@@ -11,7 +11,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import stream.rebuild
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
@@ -156,16 +155,24 @@ def big_state(partitions: int) -> CacheState:
     return state
 
 
-def test_write_state_across_several_write_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(stream.rebuild, "WRITE_BATCH", 4)
-    state = big_state(3)
+def test_write_state_orders_keys_of_lookalike_endpoints_and_hashes(tmp_path):
+    """An SST file takes keys in strictly increasing order only: names that are prefixes
+    of each other, non-ASCII names, and raw and text hashes side by side must all fit.
+    """
+    state = CacheState(Capacity("items", 8))
+    names = ["ns/a", "ns/ab", "ns/a b", "ns/a~", "ns/\u00e9", "ns/A", "n"]
+    digests = ["ff" * 32, "00" * 32, "text", "Upper" * 4, "a\x00b", "ab" * 32]
+    for offset, name in enumerate(names):
+        items = [Item(d, offset + 1, "image") for d in digests]
+        state.apply(ItemsPlaced(endpoint=name, items=items), Position(offset % 2, offset))
     datadir = DataDir(tmp_path)
     datadir.check(DataDir.identity(APP, TOPIC, state.capacity))
-    write_state(datadir, state, range(3))
+    write_state(datadir, state, range(2))
     loaded = datadir.load_state()
     assert loaded.digest() == state.digest()
     assert view(loaded) == view(state)
-    assert loaded.applied == state.applied == {0: 11, 1: 11, 2: 11}
+    assert loaded.applied == state.applied == {0: 6, 1: 5}
+    assert sorted(p.name for p in datadir.tables.iterdir()) == ["lru-0.db", "lru-1.db"]
 
 
 def test_states_of_partition_groups_written_side_by_side_load_as_one(tmp_path):

@@ -265,6 +265,29 @@ def test_keys_with_the_same_text_split_differently_stay_distinct():
     assert sorted(read_partition(records)[1]) == sorted([a, b])
 
 
+SHA = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("digest", "stored_as_raw_bytes"),
+    [
+        (SHA, True),
+        (SHA.upper(), False),  # upper case would come back lower case from raw bytes
+        ("ab " * 21 + "a", False),  # bytes.fromhex skips spaces
+        ("zz" * 32, False),
+        (SHA[:-2], False),
+        (SHA + "ab", False),
+    ],
+)
+def test_only_lower_case_sha256_hex_is_stored_as_raw_bytes_and_every_hash_round_trips(
+    digest, stored_as_raw_bytes
+):
+    entry = Entry("ns/pod", digest, 1, 0, 0)
+    key = entry_key(entry.endpoint, entry.hash)
+    assert (len(key) == len(b"\x01ns/pod\x03") + 32) is stored_as_raw_bytes
+    assert read_partition([(key, encode_entry(entry))]) == (None, [entry])
+
+
 @pytest.mark.parametrize("kind", sorted(STORES))
 def test_read_partition_ignores_foreign_keys(kind, tmp_path):
     state = CacheState(Capacity("items", 4))
