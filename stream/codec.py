@@ -9,7 +9,9 @@ from stream.core.events import Event
 
 __all__ = ["MalformedEvent", "decode_event", "encode_event"]
 
-_EVENT = TypeAdapter(Event)
+# The adapter's compiled validator, called directly: the adapter's own wrapper costs
+# ~0.5 us per record, a tenth of a replayed event.
+_VALIDATE_JSON = TypeAdapter(Event).validator.validate_json
 
 
 class MalformedEvent(ValueError):
@@ -26,7 +28,7 @@ def decode_event(raw: bytes | None) -> Event:
     if raw is None:
         raise MalformedEvent("empty record")
     try:
-        return _EVENT.validate_json(raw)
+        return _VALIDATE_JSON(raw)  # type: ignore[no-any-return]
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "record"
