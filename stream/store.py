@@ -171,9 +171,11 @@ def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, 
 def load_partition(state: CacheState, partition: int, records: Iterable[tuple[bytes, bytes]]) -> None:
     """Load one partition's store into ``state`` (the fast path of restarts)."""
     applied, lrus = read_lrus(records)
+    from_bytes = int.from_bytes
     for endpoint, pairs in lrus.items():
         pairs.sort()
-        state.restore_lru(partition, endpoint, [(digest, _size_of(value)) for value, digest in pairs])
+        state.restore_lru(partition, endpoint,
+                          [(digest, from_bytes(value[12:16])) for value, digest in pairs])
     state.restore(partition, applied, ())
 
 

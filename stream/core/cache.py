@@ -255,17 +255,15 @@ class CacheState:
 
     def restore_lru(self, partition: int, name: str, entries: Iterable[tuple[str, int]]) -> None:
         """Load one endpoint's whole LRU, given least recent first as (hash, size)."""
-        cache = self.endpoints[name] = EndpointCache(partition)
-        lru, holders, weight = cache.entries, self.holders, 0
-        for digest, size in entries:
-            lru[digest] = size
-            weight += size
+        lru = dict(entries)
+        self.endpoints[name] = EndpointCache(partition, lru, sum(lru.values()))
+        holders = self.holders
+        for digest in lru:
             held_by = holders.get(digest)
             if held_by is None:
                 holders[digest] = {name}
             else:
                 held_by.add(name)
-        cache.weight = weight
 
     def entries(self) -> Iterable[tuple[int, Entry]]:
         """Every entry with its partition, ranked so that ``restore`` rebuilds this state."""
