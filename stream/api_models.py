@@ -6,8 +6,10 @@ Shapes are checked here; the configurable limits (counts and lengths) are checke
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from stream.config import Limits
@@ -27,6 +29,7 @@ __all__ = [
     "PlacementRequest",
     "StateResponse",
     "check_limits",
+    "read_match",
 ]
 
 
@@ -40,6 +43,51 @@ class MatchRequest(_Body):
     endpoints: list[EndpointName]
     body: dict[str, Any]
     request_id: str | None = None
+
+
+_MATCH_FIELDS = frozenset(MatchRequest.model_fields)
+_NAME_MAX = 253  # EndpointName's max_length
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # what EndpointName's pattern refuses
+# pydantic's JSON parser refuses nesting deeper than ~200 and orjson allows 1024, so
+# bodies that might nest that deep (each level opens a bracket) take the pydantic path.
+_FAST_BRACKETS = 192
+
+
+def read_match(raw: bytes, limits: Limits) -> tuple[list[str], dict[str, Any]] | None:
+    """``(endpoints, body)`` of a valid match request within the endpoint limits, or
+    ``None`` for anything else, whose error the caller gets from ``MatchRequest``.
+
+    The same checks as ``MatchRequest`` plus ``check_limits(endpoints=...)``, done in a
+    few C-level passes over orjson's output (bench body: ~11 us with the parse, against
+    ~16 us). It must accept nothing ``MatchRequest`` refuses, and when in doubt it says
+    ``None``. Integers beyond 64 bits come back from orjson as floats, so a body that a
+    later check refuses must be checked again through ``MatchRequest`` too.
+    """
+    if raw.count(b"[") + raw.count(b"{") > _FAST_BRACKETS:
+        return None
+    try:
+        query = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if type(query) is not dict or not query.keys() <= _MATCH_FIELDS:
+        return None
+    endpoints, body = query.get("endpoints"), query.get("body")
+    request_id = query.get("request_id")
+    if (type(endpoints) is not list or type(body) is not dict
+            or (request_id is not None and type(request_id) is not str)
+            or len(endpoints) > limits.max_endpoints):
+        return None
+    if endpoints:
+        try:
+            joined = "".join(endpoints)  # raises if any is not a string
+        except TypeError:
+            return None
+        if not all(endpoints) or max(map(len, endpoints)) > min(_NAME_MAX, limits.max_endpoint_chars):
+            return None
+        # JSON strings hold control characters only as escapes, and DEL also as itself
+        if (b"\\" in raw or b"\x7f" in raw) and _CONTROL.search(joined):
+            return None
+    return endpoints, body
 
 
 class PlacementRequest(_Body):

@@ -1,24 +1,60 @@
-"""Prometheus metrics. Hit and query counters live in plain dicts and are turned into
-metric families only when scraped, so a 64-endpoint match adds dict increments to the
-hot path instead of hundreds of labelled-counter calls.
+"""Prometheus metrics. Hit and query counters and the histograms of the request path live
+in plain dicts and lists and are turned into metric families only when scraped, so a
+64-endpoint match adds a few C-level increments to the hot path instead of hundreds of
+labelled-counter calls (a prometheus_client histogram observation took ~1.3 us, under
+a lock that a single-threaded event loop does not need).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from itertools import accumulate
+from operator import attrgetter
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from stream.core.cache import CacheState
 from stream.core.items import Item
 
-__all__ = ["Metrics"]
+__all__ = ["Histogram", "Metrics"]
 
 _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+_MODALITY = attrgetter("modality")
+_SIZE = attrgetter("size")
+
+
+class Histogram:
+    """One histogram series for the event loop's thread only: a count per bucket and a sum.
+
+    ``observe`` is a bisect and two adds; the cumulative buckets are summed at scrape.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count ``value`` in the first bucket whose upper bound is >= it."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs as the exposition writes them."""
+        bounds = [floatToGoString(bound) for bound in self.bounds] + ["+Inf"]
+        return list(zip(bounds, accumulate(self.counts), strict=True))
 
 
 class Metrics:
@@ -30,12 +66,7 @@ class Metrics:
         self._lag = lag
         self._queries: Tally[str] = Tally()
         self._hits: Tally[tuple[str, str]] = Tally()
-        self.hit_ratio = Histogram(
-            "encoder_cache_hit_ratio",
-            "Best endpoint score of each match request with items",
-            buckets=_RATIO_BUCKETS,
-            registry=self.registry,
-        )
+        self.hit_ratio = Histogram(_RATIO_BUCKETS)
         self.events = Counter(
             "mmcache_events_processed_total",
             "Events applied to the state, by type",
@@ -52,21 +83,14 @@ class Metrics:
             "Events skipped because their offset was already applied",
             registry=self.registry,
         )
-        self.request_seconds = Histogram(
-            "mmcache_http_request_duration_seconds",
-            "HTTP request latency, by route",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self._timers: dict[str, Any] = {}
+        self._timers: dict[str, Histogram] = {}
         self.registry.register(self)
 
-    def request_timer(self, route: str) -> Any:
-        """The latency histogram of one route (labelled children are cached: hot path)."""
+    def request_timer(self, route: str) -> Histogram:
+        """The latency histogram (seconds) of one route; callers keep it for the hot path."""
         timer = self._timers.get(route)
         if timer is None:
-            timer = self._timers[route] = self.request_seconds.labels(route)
+            timer = self._timers[route] = Histogram(_LATENCY_BUCKETS)
         return timer
 
     def record_match(self, items: Sequence[Item], found: Mapping[str, list[Item]]) -> None:
@@ -74,15 +98,14 @@ class Metrics:
         ``found`` maps the endpoints that hold items to those items (``CacheState.hits``)."""
         if not items:
             return
-        queries, hits = self._queries, self._hits
-        for item in items:
-            queries[item.modality] += 1
+        self._queries.update(map(_MODALITY, items))
+        hits = self._hits
         best = 0
         for endpoint, matched in found.items():
-            best = max(best, sum(item.size for item in matched))
+            best = max(best, sum(map(_SIZE, matched)))
             for item in matched:
                 hits[endpoint, item.modality] += 1
-        self.hit_ratio.observe(best / sum(item.size for item in items))
+        self.hit_ratio.observe(best / sum(map(_SIZE, items)))
 
     def collect(self) -> Iterator[Metric]:
         """Yield the dict-backed and scrape-time metrics (prometheus_client Collector)."""
@@ -104,6 +127,13 @@ class Metrics:
         yield queries
         yield hits
         yield lag
+        yield _histogram_family("encoder_cache_hit_ratio",
+                                "Best endpoint score of each match request with items",
+                                {(): self.hit_ratio})
+        yield _histogram_family("mmcache_http_request_duration_seconds",
+                                "HTTP request latency, by route",
+                                {(route,): timer for route, timer in self._timers.items()},
+                                ["route"])
         yield GaugeMetricFamily(
             "mmcache_endpoints", "Endpoints with entries", value=len(self._state.endpoints)
         )
@@ -112,3 +142,13 @@ class Metrics:
             "LRU entries over all endpoints",
             value=sum(len(c.entries) for c in self._state.endpoints.values()),
         )
+
+
+def _histogram_family(
+    name: str, documentation: str, series: Mapping[tuple[str, ...], Histogram],
+    labels: Sequence[str] = (),
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=list(labels))
+    for values, histogram in series.items():
+        family.add_metric(list(values), histogram.buckets(), histogram.sum)
+    return family

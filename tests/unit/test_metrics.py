@@ -177,7 +177,7 @@ def test_event_malformed_and_redelivered_counters_are_exposed(metrics):
 
 
 def test_request_latency_histogram_is_exposed_by_route(metrics):
-    metrics.request_seconds.labels("/v1/match").observe(0.003)
+    metrics.request_timer("/v1/match").observe(0.003)
     samples = scrape(metrics)
     name = "mmcache_http_request_duration_seconds"
     assert value(samples, name + "_count", route="/v1/match") == 1

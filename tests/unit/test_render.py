@@ -34,3 +34,23 @@ def test_rendered_answer_equals_the_domain_answer(placements, asked, endpoints):
     rendered = orjson.loads(render_match(items, *state.hits(items, endpoints)))
     expected = as_json({"request_items": items, "endpoints": state.match(items, endpoints)})
     assert rendered == expected
+
+
+PLAIN = [f"ns/pod-{i}" for i in range(40)] + ["ns/ü", "ns/ë-€"]
+ODD = ['ns/"quoted"', 'x",', "ns/\\slash", "ns/\u2028"]
+ASKED_ONLY = ["ns/unknown", "ns/\x7f", "ns/\x01"]  # names no event may hold
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    holders=st.lists(st.sampled_from(PLAIN + ODD), unique=True, max_size=6),
+    endpoints=st.lists(st.sampled_from(PLAIN + ODD + ASKED_ONLY), max_size=40),
+)
+def test_runs_of_endpoints_without_items_render_like_the_domain_answer(holders, endpoints):
+    state = CacheState(Capacity.from_params(6))
+    for offset, name in enumerate(holders):
+        state.apply(ItemsPlaced(endpoint=name, items=[Item("h1", 1, "image")]), Position(0, offset))
+    items = [Item("h1", 2, "image"), Item("h2", 3, "audio")]
+    rendered = orjson.loads(render_match(items, *state.hits(items, endpoints)))
+    expected = as_json({"request_items": items, "endpoints": state.match(items, endpoints)})
+    assert rendered == expected
