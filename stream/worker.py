@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any, Protocol
 
 import faust
 import mode
 from aiohttp import web
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 from faust.types import TP
 from rocksdict import WriteBatch
@@ -66,49 +66,78 @@ class TableMirror:
     """A mirror into the Faust table's RocksDB files and its changelog topic.
 
     Faust's per-key table API was measured here at ~200 µs per key (a future, a buffer
-    task and a callback per record): 3 keys per event capped ingest near 800 events/s.
-    This writes each event's records in one WriteBatch and hands the changelog records
-    to the producer in order. Like Faust, it stores in each partition's file the highest
-    changelog offset the broker acknowledged, so recovery reads only what came after.
-    Faust flushes the producer before it commits source offsets, so a committed event's
-    changelog records are durable.
+    task and a callback per record), and even one producer ``send`` per record costs
+    ~15 µs. So the records of a batch of events are gathered per partition into one
+    RocksDB WriteBatch and into Kafka record batches (0.75 µs per record), written and
+    sent at ``flush``. The batches go through Faust's own producer, which Faust flushes
+    before it commits source offsets, so a committed event's changelog records are
+    durable. Like Faust, it stores in each partition's file the highest changelog offset
+    the broker acknowledged, so recovery reads only what came after.
     """
 
     def __init__(self, app: faust.App, table: Any) -> None:
         self.app = app
         self.table = table
         self.changelog = table.changelog_topic.get_topic_name()
-        self._unsent: list[tuple[int, bytes, bytes | None]] = []
+        self._pending: dict[int, _PartitionRecords] = {}
         self._acked: dict[int, int] = {}
 
     def write(self, partition: int, effects: Effects, applied_offset: int) -> None:
-        """Write one event's records to the partition's file; queue them for the changelog."""
-        batch = WriteBatch(raw_mode=True)
-        for key, value in effect_records(effects, applied_offset):
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
-            self._unsent.append((partition, key, value))
-        self.table.data._db_for_partition(partition).write(batch)
+        """Add one event's records to its partition's pending batches."""
+        pending = self._pending.get(partition)
+        if pending is None:
+            pending = self._pending[partition] = _PartitionRecords(self._producer())
+        pending.add(effect_records(effects, applied_offset))
 
     async def flush(self) -> None:
-        """Hand the queued records to the producer; persist acknowledged offsets."""
-        send = self.app.producer.send
-        for partition, key, value in self._unsent:
-            ack = await send(self.changelog, key, value, partition, None, None)
-            ack.add_done_callback(self._on_ack)
-        self._unsent.clear()
+        """Write the pending records to the files, send them to the changelog, and persist
+        the changelog offsets acknowledged so far."""
+        producer = self._producer()
+        pending, self._pending = self._pending, {}
+        for partition, records in pending.items():
+            self.table.data._db_for_partition(partition).write(records.batch)
+            for builder in records.sealed():
+                last = builder.record_count() - 1
+                ack = await producer.send_batch(builder, self.changelog, partition=partition)
+                ack.add_done_callback(lambda ack, last=last: self._on_ack(ack, last))
         for partition, offset in self._acked.items():
             self.table.data.set_persisted_offset(TP(self.changelog, partition), offset)
         self._acked.clear()
 
-    def _on_ack(self, ack: asyncio.Future[Any]) -> None:
+    def _producer(self) -> AIOKafkaProducer:
+        return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
+
+    def _on_ack(self, ack: asyncio.Future[Any], last: int) -> None:
         if not ack.cancelled() and ack.exception() is None:
-            metadata = ack.result()
+            metadata = ack.result()  # of the batch's first record
             self._acked[metadata.partition] = max(
-                metadata.offset, self._acked.get(metadata.partition, -1)
+                metadata.offset + last, self._acked.get(metadata.partition, -1)
             )
+
+
+class _PartitionRecords:
+    """One partition's records not yet written: a RocksDB batch, Kafka record batches."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self.batch = WriteBatch(raw_mode=True)
+        self.builders = [producer.create_batch()]
+
+    def add(self, records: Iterable[tuple[bytes, bytes | None]]) -> None:
+        batch, builder = self.batch, self.builders[-1]
+        for key, value in records:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+            if builder.append(key=key, value=value, timestamp=None) is None:  # full
+                builder = self.producer.create_batch()
+                self.builders.append(builder)
+                builder.append(key=key, value=value, timestamp=None)
+
+    def sealed(self) -> list[Any]:
+        """The record batches that hold records."""
+        return [b for b in self.builders if b.record_count()]
 
 
 class StateKeeper:
