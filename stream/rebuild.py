@@ -41,7 +41,7 @@ from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, ensure_topic
 from stream.store import APPLIED_KEY, decode_applied, encode_applied, endpoint_records
 
-__all__ = ["Until", "rebuild", "seed_deployment"]
+__all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment"]
 
 log = logging.getLogger(__name__)
 
@@ -225,18 +225,29 @@ def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Ca
     return _Part(counts["events"], counts["malformed"], state.endpoint_digests())
 
 
-async def _topic_extent(bootstrap: str, topic: str) -> tuple[list[int], int]:
-    """The topic's partitions and how many records they hold in all."""
+async def _topic_extent(bootstrap: str, topic: str) -> dict[int, int]:
+    """How many records each partition of the topic holds."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        tps = [TopicPartition(topic, p) for p in partitions]
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
         ends = await consumer.end_offsets(tps) if tps else {}
         starts = await consumer.beginning_offsets(tps) if tps else {}
-        return partitions, sum(ends[tp] - starts[tp] for tp in tps)
+        return {tp.partition: ends[tp] - starts[tp] for tp in tps}
     finally:
         await consumer.stop()
+
+
+def balanced_groups(sizes: dict[int, int], count: int) -> list[list[int]]:
+    """Split partitions into ``count`` groups of about equal records, largest first into
+    the lightest group, so that no replay process is left working alone at the end."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for partition in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(partition)
+        loads[lightest] += sizes[partition]
+    return [sorted(group) for group in groups if group]
 
 
 def rebuild(settings: Settings, until: Until = Until(), workers: int | None = None) -> str:
@@ -253,12 +264,13 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     tansu = asyncio.run(is_tansu(bootstrap))
     if tansu:
         apply_remedies()
-    partitions, total = asyncio.run(_topic_extent(bootstrap, settings.events_topic))
+    sizes = asyncio.run(_topic_extent(bootstrap, settings.events_topic))
+    partitions, total = sorted(sizes), sum(sizes.values())
     if not partitions:
         raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
     datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity))
     count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
-    groups = [partitions[i::count] for i in range(count)]
+    groups = balanced_groups(sizes, count)
     # fork: no threads run here yet, and a forked worker starts in milliseconds
     context = multiprocessing.get_context("fork")
     counter = context.Value("q", 0)

@@ -15,7 +15,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
 from stream.datadir import STATE_FORMAT, DataDir, StateMismatch
-from stream.rebuild import Until, write_state
+from stream.rebuild import Until, balanced_groups, write_state
 from tests.unit.test_store import Scenario, scenarios, view
 
 APP, TOPIC = "mmcache", "mmcache-events"
@@ -319,3 +319,18 @@ def test_partitions_lists_the_partition_files_in_order(tmp_path):
     (datadir.tables / "lru-4.db.bak").mkdir()
     assert datadir.partitions() == [0, 2, 10]
     assert datadir.partition_path(2) == tmp_path / "v1" / "tables" / "lru-2.db"
+
+
+# -- balanced_groups ---------------------------------------------------------------------------
+
+
+def test_balanced_groups_even_out_the_records_of_uneven_partitions():
+    sizes = {0: 520, 1: 480, 2: 100, 3: 90, 4: 10, 5: 0}
+    groups = balanced_groups(sizes, 2)
+    assert sorted(p for group in groups for p in group) == list(sizes)
+    assert sorted(sum(sizes[p] for p in group) for group in groups) == [590, 610]
+
+
+def test_balanced_groups_leave_out_groups_with_nothing_to_do():
+    assert balanced_groups({0: 5}, 3) == [[0]]
+    assert balanced_groups({0: 5, 1: 5, 2: 5, 3: 5}, 2) == [[0, 2], [1, 3]]
