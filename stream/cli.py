@@ -50,8 +50,8 @@ def _serve(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
     from stream.kafka.tansu import apply_remedies, is_tansu
     from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
+    from stream.preload import LocalPreload
     from stream.rebuild import seed_deployment
-    from stream.worker import build_worker
 
     settings = _settings(args)
     loop = asyncio.new_event_loop()
@@ -65,13 +65,18 @@ def _serve(args: argparse.Namespace) -> None:
                     "(Tansu, memory only) on %s for development", bootstrap)
     datadir = DataDir(settings.data_dir)
     try:
-        embedded = loop.run_until_complete(is_tansu(bootstrap))
-        if embedded:
-            apply_remedies()
         # The embedded broker's log lives in memory: state from an earlier run would
         # describe a log that no longer exists.
         datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
                       fresh=broker is not None)
+        # Forked before any thread runs and before Faust is imported. A seeded dir is
+        # rewritten first, so it is not preloaded.
+        preload = None if datadir.seed.exists() else LocalPreload(datadir, settings.capacity).start()
+        from stream.worker import build_worker
+
+        embedded = loop.run_until_complete(is_tansu(bootstrap))
+        if embedded:
+            apply_remedies()
         partitions = loop.run_until_complete(
             ensure_topic(bootstrap, settings.events_topic, settings.partitions,
                          EVENTS_TOPIC_CONFIG, settings.replication_factor)
@@ -80,7 +85,8 @@ def _serve(args: argparse.Namespace) -> None:
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic)
             )
-        build_worker(settings, bootstrap, partitions, embedded=embedded).execute_from_commandline()
+        build_worker(settings, bootstrap, partitions, embedded=embedded,
+                     preload=preload).execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
             datadir.release()

@@ -29,7 +29,6 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
-from faust.stores.rocksdb import Store as FaustStore
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from stream.codec import MalformedEvent, decode_event
@@ -39,7 +38,13 @@ from stream.core.events import Position
 from stream.datadir import TABLE_NAME, DataDir, StateMismatch
 from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, ensure_topic
-from stream.store import APPLIED_KEY, decode_applied, encode_applied, endpoint_records
+from stream.store import (
+    APPLIED_KEY,
+    FAUST_OFFSET_KEY,
+    decode_applied,
+    encode_applied,
+    endpoint_records,
+)
 
 __all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment"]
 
@@ -347,7 +352,7 @@ async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: 
         # starts after the seeded records instead of reading them all back.
         db = datadir.open_partition(partition)
         try:
-            db[FaustStore.offset_key] = str(offset).encode()
+            db[FAUST_OFFSET_KEY] = str(offset).encode()
         finally:
             db.close()
     datadir.seed.unlink()

@@ -20,6 +20,7 @@ from stream.core.cache import CacheState, Effects, Entry
 
 __all__ = [
     "APPLIED_KEY",
+    "FAUST_OFFSET_KEY",
     "decode_applied",
     "decode_change",
     "effect_records",
@@ -35,6 +36,8 @@ __all__ = [
 
 _ENTRY = b"\x01"
 APPLIED_KEY = b"\x02applied"
+# Faust's own record in each partition file: the last changelog offset it holds.
+FAUST_OFFSET_KEY = b"__faust\x00offset__"
 _VALUE = struct.Struct(">QII")
 _OFFSET = struct.Struct(">Q")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from stream.core.events import (
     EndpointDeleted,
@@ -217,6 +217,42 @@ class CacheState:
         for name in [n for n, cache in self.endpoints.items() if cache.partition == partition]:
             self._drop(name, Effects())
         self.applied.pop(partition, None)
+
+    def export(self) -> tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, set[str]],
+                              dict[int, int]]:
+        """The state as plain dicts, sets and tuples, e.g. to ``marshal`` it to another
+        process: (endpoint -> (partition, LRU, weight), holders, applied offsets)."""
+        endpoints = {name: (c.partition, c.entries, c.weight) for name, c in self.endpoints.items()}
+        return endpoints, self.holders, self.applied
+
+    @classmethod
+    def from_export(cls, capacity: Capacity, exported: tuple[Any, Any, Any]) -> CacheState:
+        """Inverse of ``export``."""
+        endpoints, holders, applied = exported
+        state = cls(capacity)
+        state.endpoints = {name: EndpointCache(*parts) for name, parts in endpoints.items()}
+        state.holders, state.applied = holders, applied
+        return state
+
+    def merge(self, other: CacheState) -> None:
+        """Add the endpoints of another state built from other partitions (e.g. in
+        another process); ``other`` is not to be used afterwards."""
+        if other.capacity != self.capacity:
+            raise ValueError(f"capacity {other.capacity} is not {self.capacity}")
+        if self.applied.keys() & other.applied.keys() or self.endpoints.keys() & other.endpoints.keys():
+            raise ValueError("only states of different partitions can be merged")
+        self.endpoints.update(other.endpoints)
+        self.applied.update(other.applied)
+        if not self.holders:
+            self.holders = other.holders
+            return
+        holders = self.holders
+        for digest, names in other.holders.items():
+            held_by = holders.get(digest)
+            if held_by is None:
+                holders[digest] = names
+            else:
+                held_by |= names
 
     def follow(self, partition: int, endpoint: str, digest: str, size: int | None) -> None:
         """Mirror one entry change written by another worker (``None`` removes it).

@@ -703,3 +703,42 @@ def test_drop_partition_forgets_only_that_partition():
     assert list(state.endpoints) == ["f"]
     assert state.holders == {"a": {"f"}}
     assert state.applied == {1: 0}
+
+
+def test_merge_adds_the_endpoints_of_a_state_of_other_partitions():
+    capacity = Capacity("items", 4)
+    first, second = CacheState(capacity), CacheState(capacity)
+    first.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    second.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
+                 Position(1, 9))
+    whole = CacheState(capacity)
+    whole.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    whole.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
+                Position(1, 9))
+    first.merge(second)
+    assert first.digest() == whole.digest()
+    assert first.holders == {"a": {"e", "f"}, "b": {"f"}}
+    assert first.applied == {0: 3, 1: 9}
+
+
+def test_merge_refuses_overlapping_partitions_and_other_capacities():
+    state = CacheState(Capacity("items", 4))
+    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    same = CacheState(Capacity("items", 4))
+    same.apply(ItemsPlaced(endpoint="g", items=[Item("a", 1, "image")]), Position(0, 5))
+    with pytest.raises(ValueError, match="different partitions"):
+        state.merge(same)
+    with pytest.raises(ValueError, match="capacity"):
+        CacheState(Capacity("size", 4)).merge(state)
+
+
+def test_export_then_from_export_gives_the_same_state():
+    state = CacheState(Capacity("size", 10))
+    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 4, "audio")]),
+                Position(2, 5))
+    state.apply(ItemsPlaced(endpoint="f", items=[Item("a", 3, "image")]), Position(1, 0))
+    copy = CacheState.from_export(state.capacity, state.export())
+    assert copy.digest() == state.digest()
+    assert copy.endpoints == state.endpoints
+    assert copy.holders == {"a": {"e", "f"}, "b": {"e"}}
+    assert copy.applied == {2: 5, 1: 0}

@@ -5,17 +5,23 @@ A plain dict plays the Faust table of one partition; the metrics are the real on
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stream.codec import encode_event
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
+from stream.datadir import DataDir
 from stream.metrics import Metrics
-from stream.store import APPLIED_KEY, decode_applied
+from stream.preload import LocalPreload
+from stream.rebuild import write_state
+from stream.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, write_effects
 from stream.worker import MappingMirror, StateKeeper
 from tests.unit.test_store import Scenario, scenarios, view
 
@@ -145,6 +151,93 @@ def test_reload_replaces_the_reloaded_partitions_and_keeps_the_others():
     assert keeper.state.holders["o"] == {"other"}
     keeper.state.drop_partition(5)
     assert keeper.state.digest() == digest
+
+
+# -- preloading the local state -------------------------------------------------------------
+
+class CountedReads(dict):
+    """A table whose full reads are counted, to tell a reused preload from a reread."""
+
+    reads = 0
+
+    def items(self):
+        self.reads += 1
+        return super().items()
+
+
+def written_datadir(tmp_path, scenario: Scenario) -> DataDir:
+    """The scenario's state as a stopped worker leaves it: files plus Faust's offset record."""
+    datadir = DataDir(tmp_path / f"dir-{next(_dirs)}")
+    datadir.check(DataDir.identity("app", "topic", scenario.capacity))
+    write_state(datadir, fold(scenario), range(scenario.partitions))
+    for partition in range(scenario.partitions):
+        db = datadir.open_partition(partition)
+        db[FAUST_OFFSET_KEY] = b"41"
+        db.close()
+    return datadir
+
+
+def tables_of(datadir: DataDir) -> dict[int, CountedReads]:
+    tables = {}
+    for partition in datadir.partitions():
+        db = datadir.open_partition(partition, read_only=True)
+        tables[partition] = CountedReads(db.items())
+        db.close()
+    return tables
+
+
+_dirs = itertools.count()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(scenarios(partitions=3))
+def test_a_preload_of_unchanged_partitions_is_taken_over_without_reading_them_again(
+    tmp_path, scenario
+):
+    datadir = written_datadir(tmp_path, scenario)
+    preload = asyncio.run(LocalPreload(datadir, scenario.capacity).start().wait())
+    tables = tables_of(datadir)
+    keeper = keeper_for(scenario.capacity)
+    keeper.reload(tables, preload)
+    expected = fold(scenario)
+    assert keeper.state.digest() == expected.digest()
+    assert keeper.state.applied == expected.applied
+    assert keeper.state.holders == expected.holders
+    assert [t.reads for t in tables.values()] == [0, 0, 0]
+
+
+def test_a_preloaded_partition_that_recovery_changed_or_that_is_not_owned_is_not_used(tmp_path):
+    placed = [ItemsPlaced(endpoint=f"ns/pod-{p}", items=[Item(f"h{p}", 1, "image")]) for p in range(3)]
+    scenario = Scenario(Capacity("items", 4), 3, [(Position(p, 0), e) for p, e in enumerate(placed)])
+    datadir = written_datadir(tmp_path, scenario)
+    preload = asyncio.run(LocalPreload(datadir, scenario.capacity).start().wait())
+    tables = tables_of(datadir)
+    # after the preload, recovery wrote a changelog record to partition 1
+    later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
+    expected = fold(scenario)
+    write_effects(tables[1], expected.apply(later, Position(1, 1)), 1)
+    tables[1][FAUST_OFFSET_KEY] = b"42"
+    keeper = keeper_for(scenario.capacity)
+    keeper.reload({0: tables[0], 1: tables[1]}, preload)  # partition 2 went to another worker
+    expected.drop_partition(2)
+    assert keeper.state.digest() == expected.digest()
+    assert keeper.state.applied == {0: 0, 1: 1}
+    assert "h2" not in keeper.state.holders
+    assert (tables[0].reads, tables[1].reads) == (0, 1)
+
+
+def test_a_preload_that_failed_leaves_the_reading_to_the_keeper(tmp_path):
+    scenario = Scenario(Capacity("items", 4), 1,
+                        [(Position(0, 0), ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]))])
+    datadir = written_datadir(tmp_path, scenario)
+    tables = tables_of(datadir)
+    (datadir.tables / "lru-1.db").mkdir()  # not a RocksDB: opening it fails
+    preload = asyncio.run(LocalPreload(datadir, scenario.capacity).start().wait())
+    assert preload.state is None
+    keeper = keeper_for(scenario.capacity)
+    keeper.reload(tables, preload)
+    assert keeper.state.digest() == fold(scenario).digest()
+    assert tables[0].reads == 1
 
 
 # -- malformed records ----------------------------------------------------------------------

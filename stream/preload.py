@@ -1,0 +1,116 @@
+"""Reading a restarted worker's local state while Faust starts.
+
+A worker's start is mostly waiting: Faust's table manager sleeps 1 s and the group join
+takes another 1-2 s on the embedded broker. Reading 1M local entries into the view
+costs ~2.5 s of Python, so the reading is started first, in forked reader processes
+(one per core, each over some partition files), while the worker process imports and
+starts Faust. Each reader hands its partitions' view back through a pipe as one
+``marshal`` blob, ~0.5 µs per entry to load against ~2.5 µs to read; a thread waits for
+the blobs, so the event loop is not held up while they come.
+
+This module imports no Faust: the readers are forked before the worker's own imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import marshal
+import multiprocessing
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from stream.core.cache import CacheState, Capacity
+from stream.datadir import DataDir
+from stream.store import FAUST_OFFSET_KEY, load_partition
+
+__all__ = ["LocalPreload"]
+
+log = logging.getLogger(__name__)
+
+
+class LocalPreload:
+    """The view of the partition files found in a data dir, read in the background.
+
+    Each partition's changelog offset (Faust's offset record) is noted with it: if
+    Faust's recovery writes to a partition afterwards, the offset moves and the partition
+    is read again from the table (``unchanged``).
+    """
+
+    def __init__(self, datadir: DataDir, capacity: Capacity, readers: int | None = None) -> None:
+        self.datadir = datadir
+        self.capacity = capacity
+        self.readers = readers or os.cpu_count() or 1
+        self.state: CacheState | None = None
+        self.marks: dict[int, bytes | None] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LocalPreload:
+        """Fork the readers (while no other thread runs) and collect their views in a thread."""
+        partitions = self.datadir.partitions()
+        context = multiprocessing.get_context("fork")
+        pipes = []
+        for group in (partitions[i::self.readers] for i in range(self.readers)):
+            if not group:
+                continue
+            receiver, sender = context.Pipe(duplex=False)
+            reader = context.Process(target=_read, args=(self.datadir, self.capacity, group, sender),
+                                     name="mmcache-preload", daemon=True)
+            reader.start()
+            sender.close()
+            pipes.append((receiver, reader))
+        self._thread = threading.Thread(target=self._collect, args=(pipes,), name="preload",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    async def wait(self) -> LocalPreload:
+        """Wait for the view, without blocking the event loop."""
+        assert self._thread is not None, "start() first"
+        await asyncio.to_thread(self._thread.join)
+        return self
+
+    def unchanged(self, partition: int, db: Any) -> bool:
+        """Whether the table's partition is still what was read."""
+        return partition in self.marks and db.get(FAUST_OFFSET_KEY) == self.marks[partition]
+
+    def _collect(self, pipes: list[tuple[Connection, Any]]) -> None:
+        try:
+            blobs = [receiver.recv_bytes() for receiver, _ in pipes]
+        except EOFError:
+            log.warning("could not preload the local state (a reader failed); it is read "
+                        "at recovery instead")
+            return
+        finally:
+            for receiver, reader in pipes:
+                receiver.close()  # a reader still sending gets a broken pipe and ends
+                reader.join()
+        state, marks = CacheState(self.capacity), {}
+        gc.disable()  # a million new objects, none in a cycle: collections only cost time
+        try:
+            for blob in blobs:
+                exported, part_marks = marshal.loads(blob)
+                state.merge(CacheState.from_export(self.capacity, exported))
+                marks.update(part_marks)
+        finally:
+            gc.enable()
+        self.state, self.marks = state, marks
+        log.info("preloaded %d endpoints from partitions %s", len(state.endpoints), sorted(marks))
+
+
+def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: Connection) -> None:
+    """A reader process: the view of some partitions, sent as one blob."""
+    gc.disable()
+    state, marks = CacheState(capacity), {}
+    for partition in partitions:
+        db = datadir.open_partition(partition, read_only=True)
+        try:
+            marks[partition] = db.get(FAUST_OFFSET_KEY)
+            load_partition(state, partition, db.items())
+        finally:
+            db.close()
+    sender.send_bytes(marshal.dumps((state.export(), marks)))
+    sender.close()
