@@ -48,6 +48,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _serve(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
+    from stream.kafka.prefetch import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu
     from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
     from stream.preload import LocalPreload
@@ -77,6 +78,7 @@ def _serve(args: argparse.Namespace) -> None:
         embedded = loop.run_until_complete(is_tansu(bootstrap))
         if embedded:
             apply_remedies()
+        shorten_prefetch_backoff()
         partitions = loop.run_until_complete(
             ensure_topic(bootstrap, settings.events_topic, settings.partitions,
                          EVENTS_TOPIC_CONFIG, settings.replication_factor)
