@@ -53,7 +53,10 @@ def test_match_scenario_measures_service_control_and_reference(bootstrap, tmp_pa
     throughput = by_name["match_throughput_vs_bare_handler"]
     assert throughput.value > 0 and throughput.control > 0
     assert by_name["match_throughput_vs_reference_lookup"].control > 0
-    assert by_name["match_latency_p99_at_half_peak"].value >= by_name["match_latency_p50_at_half_peak"].value
+    p50, p99 = by_name["match_latency_p50_at_half_peak"], by_name["match_latency_p99_at_half_peak"]
+    assert p99.value >= p50.value
+    assert 0 < p50.control <= p99.control  # the bare handler under the same paced load
+    assert p50.passed == (p50.value <= 0.5) and p99.passed == (p99.value <= 1.5)
 
 
 def test_wrk_latency_units_are_read_as_milliseconds():
