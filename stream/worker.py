@@ -1,9 +1,9 @@
 """Wiring of one `mmcache serve` process: the Faust app, its agent and table, the HTTP API.
 
-Data flow: HTTP writes -> event topic (partitioned by endpoint) -> Faust agent ->
-``CacheState.apply`` (the pure fold) -> in-memory view for ``/v1/match`` and, entry by
-entry, the Faust table's RocksDB files and compacted changelog, from which any worker
-recovers.
+Data flow: HTTP writes -> event topic (partitioned by endpoint) -> Faust's consumer, whole
+fetched batches (``stream.faust_batches``) -> ``CacheState.apply`` (the pure fold) ->
+in-memory view for ``/v1/match`` and, entry by entry, the Faust table's RocksDB files and
+compacted changelog, from which any worker recovers.
 After every recovery (start, rebalance) the view is reloaded from the table's active
 partitions, so the view always equals the durable state of the partitions this worker owns.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import faust
@@ -29,6 +29,7 @@ from stream.config import Settings
 from stream.core.cache import CacheState, Effects
 from stream.core.events import Position
 from stream.datadir import TABLE_NAME
+from stream.faust_batches import install as install_batch_path
 from stream.http_api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
@@ -37,10 +38,10 @@ from stream.store import decode_change, effect_records, load_partition, write_ef
 
 __all__ = ["MappingMirror", "Mirror", "StateKeeper", "TableMirror", "build_worker"]
 
-# Events are taken from the stream in batches of up to EVENT_BATCH, or whatever arrived
-# within EVENT_BATCH_WAIT_S; their changelog records go to the producer once per batch.
-EVENT_BATCH = 1000
-EVENT_BATCH_WAIT_S = 0.002
+# Events reach the keeper in whole fetched batches (stream.faust_batches) of at most
+# MAX_POLL_RECORDS, so one batch holds the event loop for a few tens of ms at most (~35 µs
+# an event); their changelog records go to the producer once per batch.
+MAX_POLL_RECORDS = 1000
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,12 @@ class StateKeeper:
             return
         self.mirror.write(partition, effects, offset)
         self.metrics.events.labels(event.type).inc()
+
+    def apply_batch(self, partition: int, records: Iterable[Any]) -> None:
+        """Apply fetched records (with ``offset`` and ``value``) of one partition, in order."""
+        apply = self.apply_record
+        for record in records:
+            apply(partition, record.offset, record.value)
 
     def reload(self, partitions: dict[int, Any], preload: LocalPreload | None = None) -> None:
         """Replace these partitions' part of the view with their stores' durable entries
@@ -358,6 +365,7 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "producer_linger": 0.005,
         "producer_max_batch_size": 1024 * 1024,
         "consumer_auto_offset_reset": "earliest",
+        "broker_max_poll_records": MAX_POLL_RECORDS,
         "table_standby_replicas": 0,
         "topic_disable_leader": True,
         "autodiscover": False,
@@ -383,11 +391,19 @@ def build_worker(
     mirror = TableMirror(app, table)
     keeper = StateKeeper(state, mirror, metrics)
 
+    async def apply_batch(partition: int, records: Sequence[Any]) -> None:
+        keeper.apply_batch(partition, records)
+        await mirror.flush()  # before faust_batches acks the batch's offsets
+
+    install_batch_path(app, {settings.events_topic: apply_batch})
+
+    # Declared so that Faust subscribes to the event topic and assigns its partitions
+    # together with the table's; the batch path above takes all its records, so this body
+    # receives nothing (it is what the batch handler does, one stream event at a time).
     @app.agent(topic, name="apply-events")
     async def apply_events(stream: faust.StreamT[bytes]) -> None:
-        async for events in stream.take_events(EVENT_BATCH, within=EVENT_BATCH_WAIT_S):
-            for event in events:
-                keeper.apply_record(event.message.partition, event.message.offset, event.value)
+        async for event in stream.events():
+            keeper.apply_record(event.message.partition, event.message.offset, event.value)
             await mirror.flush()
 
     changelog = table.changelog_topic.get_topic_name()

@@ -1,0 +1,318 @@
+"""Whole fetched batches of chosen topics go straight to a handler, bypassing Faust's
+per-message pipeline.
+
+Why: faust-streaming 0.15.3 spends ~150-190 µs of event-loop CPU per message before an
+agent sees it (``Consumer._drain_messages`` races every message against ``suspend_flow``
+with ``wait_first``: 4 tasks and an ``asyncio.wait``, ~42 µs; then the conductor, the
+stream, the sensors and one ack each), which held a worker to ~3-4k events/s. Here a
+fetched batch of a registered topic's partition is handed over as a list of aiokafka
+records and acknowledged in bulk; every other topic (the table changelogs during recovery)
+takes Faust's own per-message path, unchanged.
+
+Invariants, in the order the drain loop keeps them:
+
+1. A batch is handed over only while Faust would deliver it: the consumer's flow is
+   active and the app's flow control is open (waiting for it, as the conductor does,
+   unless the flow is suspended meanwhile), the partition is active (not paused for
+   recovery), and the consumer generation is the one the batch was fetched in. When a
+   rebalance or stop interrupts a fetch, its unhandled records are dropped unread, as
+   Faust drops them: the resume after recovery seeks back to the committed offsets.
+2. Records below the partition's read offset were read already and are dropped; offsets
+   absent between read records (compaction, transaction markers) are registered as gaps
+   with Faust's ``_add_gap``, so commits do not stall on them.
+3. A batch's offsets are acknowledged only after the handler returned, i.e. after its
+   changelog records were handed to Faust's producer, and only if no rebalance began
+   meanwhile (otherwise the records are redelivered; the handler must be idempotent
+   under redelivery). Faust flushes its producer before it commits offsets, so no
+   acknowledged record's changelog write can be lost. Acks follow ``Consumer.ack``:
+   only offsets at or above the committed one, each once.
+4. While a batch is being handled it counts as an unacknowledged message, so a
+   revocation (``wait_empty``) waits for it before Faust flushes the producer and hands
+   the partition over; a cancelled drain (shutdown) lets the handler finish.
+5. ``broker_commit_every`` is honoured between batches as between messages.
+
+The patch replaces ``Consumer._drain_messages`` of the pinned faust-streaming release
+only, and only for apps given to ``install``; others keep Faust's original.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from time import monotonic
+from typing import Any
+
+import faust
+from faust.transport.consumer import CONSUMER_FETCHING, Consumer
+from faust.types import TP
+from faust.types.tuples import ack_lock
+from mode.utils.futures import notify
+
+__all__ = ["BatchHandler", "BatchPlan", "install", "plan_batch"]
+
+log = logging.getLogger(__name__)
+
+#: The release whose ``Consumer`` internals this module mirrors; re-read them to upgrade.
+FAUST_VERSION = "0.15.3"
+
+#: ``handler(partition, records)``: records are aiokafka ``ConsumerRecord``s in offset order.
+BatchHandler = Callable[[int, Sequence[Any]], Awaitable[None]]
+
+# Faust's drain loop yields to the event loop every 100 messages of the per-message path.
+_YIELD_EVERY = 100
+
+_handlers: weakref.WeakKeyDictionary[faust.App, dict[str, BatchHandler]] = (
+    weakref.WeakKeyDictionary()
+)
+_original_drain: Callable[..., Awaitable[None]] | None = None
+
+
+@dataclass
+class BatchPlan:
+    """What to do with one partition's fetched records."""
+
+    records: list[Any] = field(default_factory=list)
+    """The records to hand over: those at or above the read offset, in order."""
+    acks: list[int] = field(default_factory=list)
+    """Their offsets to acknowledge once handled: at or above the committed offset,
+    not acknowledged already."""
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    """Inclusive ranges of offsets absent between the read offset and the records."""
+    read_offset: int | None = None
+    """The partition's read offset once the batch is handled."""
+
+
+def plan_batch(records: Sequence[Any], read_offset: int | None, committed: int | None,
+               acked: Container[int]) -> BatchPlan:
+    """Sort one partition's fetched records (each with an ``offset``) as Faust's
+    per-message path would.
+
+    ``read_offset`` is Faust's ``_read_offset``: the committed offset after a seek, else
+    the last offset read, so a record at it is still taken. Unlike Faust, a gap is
+    registered after a read offset of 0 too (Faust tests it for truth), and it holds only
+    the absent offsets, not the next record's (whose ack Faust's range would anticipate).
+    """
+    plan = BatchPlan(read_offset=read_offset)
+    previous = read_offset
+    for record in records:
+        offset = record.offset
+        if read_offset is not None and offset < read_offset:
+            continue  # read already
+        if previous is not None and offset - previous > 1:
+            plan.gaps.append((previous + 1, offset - 1))
+        plan.records.append(record)
+        if (committed is None or offset >= committed) and offset not in acked:
+            plan.acks.append(offset)
+        previous = offset
+    if plan.records:
+        plan.read_offset = plan.records[-1].offset
+    return plan
+
+
+def install(app: faust.App, handlers: Mapping[str, BatchHandler]) -> None:
+    """Deliver ``app``'s records of these topics to their handlers in whole batches.
+
+    Call before the app starts. The topics must still be subscribed (by an agent), so
+    Faust assigns their partitions together with the tables' ones.
+    """
+    global _original_drain
+    if faust.__version__ != FAUST_VERSION:
+        raise RuntimeError(f"stream.faust_batches mirrors faust-streaming {FAUST_VERSION}'s "
+                           f"consumer, not {faust.__version__}: re-check it before upgrading")
+    _handlers[app] = dict(handlers)
+    if _original_drain is None:
+        _original_drain = Consumer._drain_messages
+        Consumer._drain_messages = _drain_messages  # type: ignore[method-assign]
+
+
+class _BatchInFlight:
+    """Stands for a batch being handled among the consumer's unacknowledged messages,
+    which ``Consumer.wait_empty`` waits for (its warnings read ``refcount``)."""
+
+    acked = False
+    refcount = 1
+    abandoned = False  # the drain was cancelled while the handler ran
+
+    def __init__(self, tp: TP, count: int) -> None:
+        self.tp = tp
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"<batch of {self.count} records of {self.tp}>"
+
+
+async def _drain_messages(self: Consumer, fetcher: Any) -> None:
+    """``Consumer._drain_messages``, with the batch path for the app's chosen topics."""
+    handlers = _handlers.get(self.app)
+    if handlers is None:
+        assert _original_drain is not None
+        return await _original_drain(self, fetcher)
+    await _BatchDrain(self, handlers).run(fetcher)
+
+
+class _BatchDrain:
+    """One run of the drain loop of one consumer."""
+
+    def __init__(self, consumer: Consumer, handlers: Mapping[str, BatchHandler]) -> None:
+        self.consumer = consumer
+        self.app = consumer.app
+        self.handlers = handlers
+        self.generation: int = self.app.consumer_generation_id
+        self.since_yield = 0
+
+    def interrupted(self) -> bool:
+        """A rebalance or stop began since the current fetch: leave its records."""
+        consumer = self.consumer
+        return (consumer.suspend_flow.is_set() or not consumer.flow_active
+                or self.app.consumer_generation_id != self.generation
+                or consumer.should_stop)
+
+    async def run(self, fetcher: Any) -> None:
+        consumer = self.consumer
+        consumer_stopped = consumer._stopped.is_set  # type: ignore[attr-defined]
+        fetcher_stopped = fetcher._stopped.is_set
+        diag = consumer.diag  # type: ignore[attr-defined]
+        try:
+            while not (consumer_stopped() or fetcher_stopped()):
+                diag.set_flag(CONSUMER_FETCHING)
+                await self.fetch_once()
+                diag.unset_flag(CONSUMER_FETCHING)
+        except consumer.consumer_stopped_errors:
+            if consumer.transport.app.should_stop:
+                consumer.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if consumer.transport.app.should_stop:
+                consumer.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            consumer.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            diag.unset_flag(CONSUMER_FETCHING)
+
+    async def fetch_once(self) -> None:
+        """One fetch: Faust's ``getmany`` checks, then the batches, then the rest."""
+        consumer = self.consumer
+        records, active = await consumer._wait_next_records(1.0)
+        self.generation = self.app.consumer_generation_id
+        await consumer.sleep(0)  # as Faust: a fetch loop must release the event loop
+        if records is None or consumer.should_stop:
+            return
+        if not consumer.flow_active:
+            # as Faust's getmany: records fetched while the flow stopped are dropped and
+            # the partitions go back to their committed offsets
+            try:
+                await consumer.perform_seek()
+            except Exception as exc:
+                consumer.log.warning(f"exception performing seek when flow not active {exc}")
+            return
+        others: dict[TP, list[Any]] = {}
+        for tp, batch in records.items():
+            handler = self.handlers.get(tp.topic)
+            if handler is None:
+                others[tp] = batch
+                continue
+            if self.interrupted():
+                return
+            if active is None or tp in active or tp in consumer._buffered_partitions:
+                await self.handle_batch(tp, batch, handler)
+        if others:
+            await self.deliver_messages(others, active)
+
+    async def handle_batch(self, tp: TP, records: Sequence[Any], handler: BatchHandler) -> None:
+        consumer, app = self.consumer, self.app
+        if not app.flow_control.is_active():
+            # the conductor would wait in flow_control.acquire, given up on a suspend
+            await consumer.wait_first(app.flow_control.acquire(), consumer.suspend_flow.wait())
+            if self.interrupted() or not app.flow_control.is_active():
+                return
+        await self.maybe_commit()
+        if self.interrupted():
+            return
+        plan = plan_batch(records, consumer._read_offset[tp], consumer._committed_offset[tp],
+                          consumer._acked_index[tp])
+        if not plan.records:
+            return
+        app.monitor.track_tp_end_offset(tp, consumer.highwater(tp))
+        app.monitor.stream_inbound_time[tp] = monotonic()  # for Faust's livelock warnings
+        await self.run_handler(tp, plan.records, handler)
+        if self.interrupted():
+            return  # revoked meanwhile: redelivered after the rebalance
+        if app.topics.acks_enabled_for(tp.topic):
+            for first, last in plan.gaps:
+                await consumer._add_gap(tp, first, last)
+            self.ack(tp, plan.acks)
+        consumer._read_offset[tp] = plan.read_offset
+        await asyncio.sleep(0)  # let requests in between batches
+
+    async def run_handler(self, tp: TP, records: Sequence[Any], handler: BatchHandler) -> None:
+        """Run the handler as an unacknowledged message; if the drain is cancelled, the
+        handler still finishes (before ``wait_empty`` lets Faust go on)."""
+        consumer = self.consumer
+        in_flight = _BatchInFlight(tp, len(records))
+        consumer._unacked_messages.add(in_flight)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(handler(tp.partition, records))
+
+        def done(task: asyncio.Future[None]) -> None:
+            in_flight.acked = True
+            consumer._unacked_messages.discard(in_flight)  # type: ignore[arg-type]
+            notify(consumer._waiting_for_ack)
+            if in_flight.abandoned and not task.cancelled() and task.exception() is not None:
+                log.error("batch handler failed after the drain was cancelled",
+                          exc_info=task.exception())
+
+        task.add_done_callback(done)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            in_flight.abandoned = not task.done()
+            raise
+
+    def ack(self, tp: TP, offsets: list[int]) -> None:
+        """``Consumer.ack`` for a handled batch's offsets, at once."""
+        if not offsets:
+            return
+        consumer = self.consumer
+        with ack_lock:
+            consumer._acked_index[tp].update(offsets)
+            consumer._acked[tp].extend(offsets)
+            consumer._n_acked += len(offsets)
+        notify(consumer._waiting_for_ack)
+
+    async def maybe_commit(self) -> None:
+        consumer = self.consumer
+        commit_every = consumer._commit_every
+        if commit_every is not None and consumer._n_acked >= commit_every:
+            consumer._n_acked = 0
+            await consumer.commit()
+
+    async def deliver_messages(self, records: Mapping[TP, list[Any]], active: Any) -> None:
+        """Faust's per-message path (``getmany`` and the drain loop) for other topics."""
+        consumer, app = self.consumer, self.app
+        acks_enabled_for = app.topics.acks_enabled_for
+        for tp, record in consumer.scheduler.iterate(records):
+            if not consumer.flow_active or app.consumer_generation_id != self.generation:
+                break
+            if not (active is None or tp in active or tp in consumer._buffered_partitions):
+                continue
+            app.monitor.track_tp_end_offset(tp, consumer.highwater(tp))
+            message = consumer._to_message(tp, record)
+            self.since_yield += 1
+            if self.since_yield > _YIELD_EVERY:
+                await asyncio.sleep(0)
+                self.since_yield = 0
+            offset = message.offset
+            read_offset = consumer._read_offset[tp]
+            if read_offset is not None and offset < read_offset:
+                continue  # read already
+            if read_offset and offset - read_offset > 1 and acks_enabled_for(message.topic):
+                await consumer._add_gap(tp, read_offset + 1, offset)
+            await self.maybe_commit()
+            await consumer.wait_first(consumer.callback(message), consumer.suspend_flow.wait())
+            consumer._read_offset[tp] = offset
