@@ -36,6 +36,17 @@ def test_replay_and_restart_scenarios_write_complete_figures(bootstrap, tmp_path
     assert render_table(figures) in table and "rebuild_replay_rate" in table
 
 
+def test_ingest_scenario_measures_the_worker_against_both_controls(bootstrap, tmp_path):
+    figures = {f.name: f for f in run(tmp_path / "i.json", only=["ingest"], bootstrap=bootstrap,
+                                      scale=0.002)}
+    ingest, naive = figures["ingest_items_per_s"], figures["ingest_vs_naive_faust_agent"]
+    assert ingest.value == naive.value > 0
+    assert ingest.control > 0 and naive.control > 0  # raw consume; the naive Faust agent
+    assert naive.ratio == pytest.approx(naive.value / naive.control, rel=0.01)
+    assert naive.passed == (naive.ratio >= 10)
+    assert ingest.passed == (ingest.value >= 30_000 and ingest.ratio >= 0.2)
+
+
 def test_reference_lookup_control_gives_the_same_answers_as_the_index():
     index = full_state(CacheState(Capacity.from_params(8)), 3000)
     reference = full_state(ReferenceState(Capacity.from_params(8)), 3000)
