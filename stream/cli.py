@@ -48,7 +48,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _serve(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
-    from stream.kafka.prefetch import shorten_prefetch_backoff
+    from stream.kafka.fetcher import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu
     from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
     from stream.preload import LocalPreload

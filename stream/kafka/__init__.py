@@ -1,2 +1,2 @@
-"""Adapters for the event log: the embedded broker, topic set-up, publishing, Tansu remedies, the
-fetch prefetch backoff."""
+"""Adapters for the event log: the embedded broker, topic set-up, publishing, Tansu remedies,
+fetcher settings."""

@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any
 
 from aiokafka import AIOKafkaClient
 from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
+
+from stream.kafka.fetcher import cap_fetcher_setting
 
 __all__ = ["FETCH_WAIT_MS", "apply_remedies", "is_tansu"]
 
@@ -86,13 +87,7 @@ def apply_remedies() -> None:
     global _applied
     if _applied:
         return
-    original_init = Fetcher.__init__
-
-    def init_with_short_wait(self: Fetcher, *args: Any, **kwargs: Any) -> None:
-        kwargs["fetch_max_wait_ms"] = min(kwargs.get("fetch_max_wait_ms", 500), FETCH_WAIT_MS)
-        original_init(self, *args, **kwargs)
-
-    Fetcher.__init__ = init_with_short_wait  # type: ignore[method-assign]
+    cap_fetcher_setting("fetch_max_wait_ms", 500, FETCH_WAIT_MS)
     Fetcher.end_offsets = _end_offsets_from_fetch  # type: ignore[method-assign]
     _applied = True
     log.info("embedded Tansu broker detected: end offsets from fetch, fetch wait %d ms", FETCH_WAIT_MS)
