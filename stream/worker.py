@@ -110,11 +110,19 @@ class TableMirror:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
 
     def _on_ack(self, ack: asyncio.Future[Any], last: int) -> None:
-        if not ack.cancelled() and ack.exception() is None:
-            metadata = ack.result()  # of the batch's first record
-            self._acked[metadata.partition] = max(
-                metadata.offset + last, self._acked.get(metadata.partition, -1)
-            )
+        if ack.cancelled():
+            return
+        if ack.exception() is not None:
+            # aiokafka gave up after its retries (as for Faust's own table writes): the
+            # local files still hold these records, the changelog does not
+            log.error("a changelog batch of %d records was not written: %r; until the "
+                      "next write of the same keys, a worker restored from the changelog "
+                      "would miss them", last + 1, ack.exception())
+            return
+        metadata = ack.result()  # of the batch's first record
+        self._acked[metadata.partition] = max(
+            metadata.offset + last, self._acked.get(metadata.partition, -1)
+        )
 
 
 class _PartitionRecords:
