@@ -20,11 +20,10 @@ Invariants, in the order the drain loop keeps them:
 2. Records below the partition's read offset were read already and are dropped; offsets
    absent between read records (compaction, transaction markers) are registered as gaps
    with Faust's ``_add_gap``, so commits do not stall on them.
-3. A batch's offsets are acknowledged only after the handler returned, i.e. after its
-   changelog records were handed to Faust's producer, and only if no rebalance began
-   meanwhile (otherwise the records are redelivered; the handler must be idempotent
-   under redelivery). Faust flushes its producer before it commits offsets, so no
-   acknowledged record's changelog write can be lost. Acks follow ``Consumer.ack``:
+3. A batch's offsets are acknowledged only after the handler returned (the worker's
+   returns once the broker acknowledged the batch's changelog records), and only if no
+   rebalance began meanwhile (otherwise the records are redelivered; the handler must be
+   idempotent under redelivery). Acks follow ``Consumer.ack``:
    only offsets at or above the committed one, each once.
 4. While a batch is being handled it counts as an unacknowledged message, so a
    revocation (``wait_empty``) waits for it before Faust flushes the producer and hands
@@ -247,6 +246,8 @@ class _BatchDrain:
         if app.topics.acks_enabled_for(tp.topic):
             for first, last in plan.gaps:
                 await consumer._add_gap(tp, first, last)
+            if self.interrupted():
+                return  # a revocation began while the gaps were added
             self.ack(tp, plan.acks)
         consumer._read_offset[tp] = plan.read_offset
         await asyncio.sleep(0)  # let requests in between batches
@@ -271,6 +272,11 @@ class _BatchDrain:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and current is not None and not current.cancelling():
+                # the handler itself was cancelled, not the drain: Faust's fetcher would
+                # swallow the cancellation and stop consuming, so fail loudly instead
+                raise RuntimeError(f"the batch handler of {tp} was cancelled") from None
             in_flight.abandoned = not task.done()
             raise
 

@@ -70,11 +70,10 @@ class TableMirror:
     Faust's per-key table API was measured here at ~200 µs per key (a future, a buffer
     task and a callback per record), and even one producer ``send`` per record costs
     ~15 µs. So the records of a batch of events are gathered per partition into one
-    RocksDB WriteBatch and into Kafka record batches (0.75 µs per record), written and
-    sent at ``flush``. The batches go through Faust's own producer, which Faust flushes
-    before it commits source offsets, so a committed event's changelog records are
-    durable. Like Faust, it stores in each partition's file the highest changelog offset
-    the broker acknowledged, so recovery reads only what came after.
+    RocksDB WriteBatch and into Kafka record batches (0.75 µs per record), sent and
+    written at ``flush``, which returns once the broker holds them (so that the events'
+    offsets are acknowledged only then). Like Faust, it stores in each partition's file
+    the highest changelog offset written, so recovery reads only what came after.
     """
 
     def __init__(self, app: faust.App, table: Any) -> None:
@@ -82,7 +81,6 @@ class TableMirror:
         self.table = table
         self.changelog = table.changelog_topic.get_topic_name()
         self._pending: dict[int, _PartitionRecords] = {}
-        self._acked: dict[int, int] = {}
 
     def write(self, partition: int, effects: Effects, applied_offset: int) -> None:
         """Add one event's records to its partition's pending batches."""
@@ -92,37 +90,32 @@ class TableMirror:
         pending.add(effect_records(effects, applied_offset))
 
     async def flush(self) -> None:
-        """Write the pending records to the files, send them to the changelog, and persist
-        the changelog offsets acknowledged so far."""
+        """Send the pending records to the changelog and wait for the broker's acks, then
+        write them to the files with the changelog offset they reached.
+
+        Returning only once the changelog holds them is what lets the caller acknowledge
+        the events: a send that aiokafka gives up on raises here, the events are not
+        acknowledged, and the worker stops (its next start restores from the changelog
+        and the events are delivered again).
+        """
         producer = self._producer()
         pending, self._pending = self._pending, {}
+        sent = []
+        for partition, records in pending.items():
+            for builder in records.sealed():
+                ack = await producer.send_batch(builder, self.changelog, partition=partition)
+                sent.append((partition, builder.record_count() - 1, ack))
+        reached: dict[int, int] = {}
+        for partition, last, ack in sent:
+            metadata = await ack  # of the batch's first record
+            reached[partition] = max(metadata.offset + last, reached.get(partition, -1))
         for partition, records in pending.items():
             self.table.data._db_for_partition(partition).write(records.batch)
-            for builder in records.sealed():
-                last = builder.record_count() - 1
-                ack = await producer.send_batch(builder, self.changelog, partition=partition)
-                ack.add_done_callback(lambda ack, last=last: self._on_ack(ack, last))
-        for partition, offset in self._acked.items():
-            self.table.data.set_persisted_offset(TP(self.changelog, partition), offset)
-        self._acked.clear()
+            if partition in reached:
+                self.table.data.set_persisted_offset(TP(self.changelog, partition), reached[partition])
 
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
-
-    def _on_ack(self, ack: asyncio.Future[Any], last: int) -> None:
-        if ack.cancelled():
-            return
-        if ack.exception() is not None:
-            # aiokafka gave up after its retries (as for Faust's own table writes): the
-            # local files still hold these records, the changelog does not
-            log.error("a changelog batch of %d records was not written: %r; until the "
-                      "next write of the same keys, a worker restored from the changelog "
-                      "would miss them", last + 1, ack.exception())
-            return
-        metadata = ack.result()  # of the batch's first record
-        self._acked[metadata.partition] = max(
-            metadata.offset + last, self._acked.get(metadata.partition, -1)
-        )
 
 
 class _PartitionRecords:
@@ -401,7 +394,7 @@ def build_worker(
 
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
         keeper.apply_batch(partition, records)
-        await mirror.flush()  # before faust_batches acks the batch's offsets
+        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 
