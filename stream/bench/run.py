@@ -35,7 +35,7 @@ def _replay(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
 def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.match import match_figures
 
-    return match_figures(_sized(600_000, 0, scale), 3 if quick or scale else 10,
+    return match_figures(_sized(600_000, 300_000 if quick else 0, scale), 3 if quick or scale else 10,
                          1 if quick or scale else 3)
 
 
@@ -48,13 +48,13 @@ def _freshness(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]
 def _ingest(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import ingest_figures
 
-    return ingest_figures(bootstrap, _sized(60, 8 if quick else 0, scale))
+    return ingest_figures(bootstrap, _sized(60, 4 if quick else 0, scale))
 
 
 def _restart(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import restart_and_footprint
 
-    return restart_and_footprint(bootstrap, _sized(600_000, 100_000 if quick else 0, scale))
+    return restart_and_footprint(bootstrap, _sized(600_000, 60_000 if quick else 0, scale))
 
 
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
