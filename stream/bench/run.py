@@ -29,7 +29,7 @@ def _replay(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.replay import replay_figures
 
     runs = 1 if quick or scale else 3
-    return replay_figures(bootstrap, _sized(1_000_000, 200_000 if quick else 0, scale), runs)
+    return replay_figures(bootstrap, _sized(1_000_000, 120_000 if quick else 0, scale), runs)
 
 
 def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
