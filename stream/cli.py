@@ -81,7 +81,7 @@ def _serve(args: argparse.Namespace) -> None:
         shorten_prefetch_backoff()
         partitions = loop.run_until_complete(
             ensure_topic(bootstrap, settings.events_topic, settings.partitions,
-                         EVENTS_TOPIC_CONFIG, settings.replication_factor)
+                         EVENTS_TOPIC_CONFIG, settings.replication_factor or 1)
         )
         if datadir.seed.exists():
             loop.run_until_complete(

@@ -370,7 +370,7 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "table_standby_replicas": 0,
         "topic_disable_leader": True,
         "autodiscover": False,
-        "topic_replication_factor": settings.replication_factor,
+        "topic_replication_factor": settings.replication_factor or 1,
         **timings,
     }
 
