@@ -78,6 +78,12 @@ class Metrics:
             "Records on the event topic skipped because they are not valid events",
             registry=self.registry,
         )
+        self.dead_letters = Counter(
+            "mmcache_dead_letters_total",
+            "Records of the event topic not applied, copied to the dead-letter topic, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.redelivered = Counter(
             "mmcache_redelivered_events_total",
             "Events skipped because their offset was already applied",

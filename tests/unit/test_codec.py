@@ -166,3 +166,25 @@ def test_malformed_event_is_a_value_error_naming_the_field():
 def test_endpoint_of_253_printable_characters_round_trips():
     event = EndpointDeleted(endpoint="n/" + "x" * 251)
     assert decode_event(encode_event(event)) == event
+
+
+REASONS = {
+    b"not json {": "not_json",
+    b"": "not_json",
+    None: "not_json",
+    b"\xff\xfe": "not_json",
+    b"[1, 2]": "bad_schema",
+    b'"text"': "bad_schema",
+    b'{"type": "items_placed"}': "bad_schema",
+    b'{"v": 1, "type": "items_evicted", "endpoint": "e"}': "bad_schema",
+    b'{"v": 99, "type": "endpoint_deleted", "endpoint": "e"}': "unknown_version",
+    b'{"v": 2, "type": "items_evicted"}': "unknown_version",
+    b'{"v": "1", "type": "endpoint_deleted", "endpoint": "e"}': "unknown_version",
+}
+
+
+@pytest.mark.parametrize(("raw", "reason"), REASONS.items(), ids=[repr(r) for r in REASONS])
+def test_malformed_event_says_why_in_a_dead_letter_reason(raw, reason):
+    with pytest.raises(MalformedEvent) as caught:
+        decode_event(raw)
+    assert caught.value.reason == reason
