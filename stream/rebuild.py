@@ -31,13 +31,18 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
-from stream.codec import MalformedEvent, decode_event
-from stream.config import Settings
+from stream.admission import Rejected, fold_record
+from stream.config import KafkaSecurity, Settings
 from stream.core.cache import CacheState, Capacity, combine_digests
-from stream.core.events import Position
-from stream.datadir import TABLE_NAME, DataDir, StateMismatch
+from stream.datadir import DataDir, StateMismatch
+from stream.kafka.clients import client_options
 from stream.kafka.tansu import apply_remedies, is_tansu
-from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, ensure_topic
+from stream.kafka.topics import (
+    CHANGELOG_TOPIC_CONFIG,
+    changelog_topic,
+    cluster_durability,
+    ensure_topic,
+)
 from stream.store import (
     APPLIED_KEY,
     FAUST_OFFSET_KEY,
@@ -108,26 +113,32 @@ class Progress:
 
 async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], state: CacheState,
                  until: Until = Until(), on_progress: Callable[[int], None] = lambda n: None,
+                 *, topic_partitions: int | None = None, security: KafkaSecurity | None = None,
                  ) -> dict[str, int]:
-    """Fold the given partitions of the topic into ``state``, up to the end offsets seen at
-    the start (or ``until``); return counts of applied events and malformed records.
+    """Fold the given partitions of the topic (of ``topic_partitions`` partitions in all)
+    into ``state``, up to the end offsets seen at the start (or ``until``), by the live
+    worker's rule (``stream.admission``); return counts of applied events and of
+    skipped records, in all (``skipped``) and by reason.
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
         enable_auto_commit=False,
         max_partition_fetch_bytes=8 * 1024 * 1024,
         fetch_max_bytes=64 * 1024 * 1024,
+        **client_options(security or KafkaSecurity()),
     )
     await consumer.start()
-    counts = {"events": 0, "malformed": 0}
+    counts = {"events": 0, "skipped": 0}
     try:
+        if topic_partitions is None:
+            topic_partitions = len(consumer.partitions_for_topic(topic) or ()) or len(partitions)
         tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
         starts = await consumer.beginning_offsets(tps)
         remaining = {tp for tp in tps if ends[tp] > starts[tp]}
-        apply, decode, bounded = state.apply, decode_event, until != Until()
+        bounded = until != Until()
         while remaining:
             batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
             done = 0
@@ -139,20 +150,19 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
                         remaining.discard(tp)
                         break
                     done += 1
-                    try:
-                        event = decode(record.value)
-                    except MalformedEvent as exc:
-                        state.advance(Position(partition, offset))
-                        counts["malformed"] += 1
-                        log.warning("skipped malformed record at partition %d offset %d: %s",
-                                    partition, offset, exc)
-                        continue
-                    apply(event, Position(partition, offset))
+                    outcome = fold_record(state, partition, offset, record.key, record.value,
+                                          topic_partitions)
+                    if isinstance(outcome, Rejected):
+                        counts["skipped"] += 1
+                        counts[outcome.reason] = counts.get(outcome.reason, 0) + 1
+                        if counts[outcome.reason] <= 10:
+                            log.warning("skipped record at partition %d offset %d (%s): %s",
+                                        partition, offset, outcome.reason, outcome.detail)
                 if tp in remaining and records and records[-1].offset >= end - 1:
                     remaining.discard(tp)
             counts["events"] += done
             on_progress(done)
-        counts["events"] -= counts["malformed"]
+        counts["events"] -= counts["skipped"]
     finally:
         await consumer.stop()
     return counts
@@ -196,7 +206,7 @@ class _Part:
     """What one replay process hands back: counts and its endpoints' digests."""
 
     events: int
-    malformed: int
+    skipped: dict[str, int]
     endpoint_digests: dict[str, bytes]
 
 
@@ -215,24 +225,28 @@ def _add_progress(done: int) -> None:
 
 
 def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Capacity,
-                 until: Until, root: Path, tansu: bool) -> _Part:
+                 until: Until, root: Path, tansu: bool, topic_partitions: int,
+                 security: KafkaSecurity) -> _Part:
     """Replay some partitions and write their files (run in a process of its own)."""
     if tansu:
         apply_remedies()
     gc.disable()  # a batch job that makes no reference cycles: collections only cost time
     state = CacheState(capacity)
     started = time.monotonic()
-    counts = asyncio.run(replay(bootstrap, topic, partitions, state, until, _add_progress))
+    counts = asyncio.run(replay(bootstrap, topic, partitions, state, until, _add_progress,
+                                topic_partitions=topic_partitions, security=security))
     replayed = time.monotonic()
     write_state(DataDir(root), state, partitions)
     log.info("partitions %s: replayed %d records in %.2f s, wrote them in %.2f s", partitions,
-             counts["events"] + counts["malformed"], replayed - started, time.monotonic() - replayed)
-    return _Part(counts["events"], counts["malformed"], state.endpoint_digests())
+             counts["events"] + counts["skipped"], replayed - started, time.monotonic() - replayed)
+    skipped = {k: v for k, v in counts.items() if k not in ("events", "skipped")}
+    return _Part(counts["events"], skipped, state.endpoint_digests())
 
 
-async def _topic_extent(bootstrap: str, topic: str) -> dict[int, int]:
+async def _topic_extent(bootstrap: str, topic: str, security: KafkaSecurity) -> dict[int, int]:
     """How many records each partition of the topic holds."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                **client_options(security))
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
@@ -269,7 +283,7 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     tansu = asyncio.run(is_tansu(bootstrap))
     if tansu:
         apply_remedies()
-    sizes = asyncio.run(_topic_extent(bootstrap, settings.events_topic))
+    sizes = asyncio.run(_topic_extent(bootstrap, settings.events_topic, settings.kafka))
     partitions, total = sorted(sizes), sum(sizes.values())
     if not partitions:
         raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
@@ -284,7 +298,8 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     with ProcessPoolExecutor(count, mp_context=context, initializer=_init_replay_process,
                              initargs=(counter, logging.getLogger().level)) as pool:
         futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
-                               settings.capacity, until, datadir.root, tansu) for group in groups]
+                               settings.capacity, until, datadir.root, tansu, len(partitions),
+                               settings.kafka) for group in groups]
         while not all(f.done() for f in futures):
             progress.update(counter.value)
             time.sleep(0.1)
@@ -292,27 +307,37 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     progress.update(counter.value, final=True)
     elapsed = time.monotonic() - started
     events = sum(p.events for p in parts)
-    malformed = sum(p.malformed for p in parts)
-    log.info("replayed %d events (%d malformed skipped) in %.2f s with %d processes: "
-             "%.0f events/s", events, malformed, elapsed, count,
-             (events + malformed) / max(elapsed, 1e-9))
+    skipped: dict[str, int] = {}
+    for part in parts:
+        for reason, n in part.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    log.info("replayed %d events (%d records skipped, as the live worker skips them: %s) in "
+             "%.2f s with %d processes: %.0f events/s", events, sum(skipped.values()),
+             skipped or "none", elapsed, count, (events + sum(skipped.values())) / max(elapsed, 1e-9))
     datadir.seed.touch()
     return combine_digests({k: v for p in parts for k, v in p.endpoint_digests.items()})
 
 
-async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: str) -> None:
+async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: str,
+                          settings: Settings | None = None) -> None:
     """Publish a rebuilt state to the app's (empty) changelog and commit its offsets.
 
     Afterwards the dir is an ordinary worker dir: the changelog can restore it, and
-    the consumer group resumes right after the last replayed event.
+    the consumer group resumes right after the last replayed event. ``settings`` gives
+    the Kafka security and the changelog's replication (``choose_durability``).
     """
-    changelog = f"{app_id}-{TABLE_NAME}-changelog"
+    settings = settings or Settings(app_id=app_id, topic=topic)
+    security = settings.kafka
+    changelog = changelog_topic(app_id)
     partitions = len(datadir.partitions())
-    await ensure_topic(bootstrap, changelog, partitions, CHANGELOG_TOPIC_CONFIG)
+    durability = await cluster_durability(bootstrap, settings)
+    await ensure_topic(bootstrap, changelog, partitions,
+                       durability.topic_config(CHANGELOG_TOPIC_CONFIG),
+                       durability.replication_factor, security)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
-                                max_batch_size=1024 * 1024)
+                                max_batch_size=1024 * 1024, **client_options(security))
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=app_id,
-                                enable_auto_commit=False)
+                                enable_auto_commit=False, **client_options(security))
     await producer.start()
     await consumer.start()
     try:

@@ -24,14 +24,16 @@ from aiokafka.structs import TopicPartition
 from faust.types import TP
 from rocksdict import WriteBatch
 
-from stream.codec import MalformedEvent, decode_event
+from stream.admission import Applied, fold_record
 from stream.config import Settings
 from stream.core.cache import CacheState, Effects
-from stream.core.events import Position
 from stream.datadir import TABLE_NAME
 from stream.faust_batches import install as install_batch_path
 from stream.http_api import HttpApi
+from stream.kafka.clients import client_options, faust_credentials
+from stream.kafka.dead_letters import DeadLetter, DeadLetterWriter
 from stream.kafka.publisher import EventPublisher
+from stream.kafka.topics import DEAD_LETTER_TOPIC_CONFIG, cluster_durability, ensure_topic
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.store import decode_change, effect_records, load_partition, write_effects
@@ -42,6 +44,9 @@ __all__ = ["MappingMirror", "Mirror", "StateKeeper", "TableMirror", "build_worke
 # MAX_POLL_RECORDS, so one batch holds the event loop for a few tens of ms at most (~35 µs
 # an event); their changelog records go to the producer once per batch.
 MAX_POLL_RECORDS = 1000
+
+# the reasons the older ``mmcache_malformed_events_total`` counts too
+_MALFORMED = frozenset({"not_json", "bad_schema", "unknown_version"})
 
 log = logging.getLogger(__name__)
 
@@ -143,38 +148,64 @@ class _PartitionRecords:
         return [b for b in self.builders if b.record_count()]
 
 
-class StateKeeper:
-    """The agent's logic: decode a record, fold it into the view, mirror it to the store."""
+class DeadLetterSink(Protocol):
+    """Where the keeper puts the records it skips (a ``DeadLetterWriter``, or a list)."""
 
-    def __init__(self, state: CacheState, mirror: Mirror, metrics: Metrics) -> None:
+    def add(self, letter: DeadLetter) -> None:
+        """Keep one letter until the batch is flushed."""
+
+
+class _Letters(list[DeadLetter]):
+    """The letters of a keeper without a writer (tests, tools): kept in a list."""
+
+    def add(self, letter: DeadLetter) -> None:
+        self.append(letter)
+
+
+class StateKeeper:
+    """The agent's logic: fold a record into the view (``stream.admission``, the same rule
+    as ``rebuild``), mirror it to the store, dead-letter and count what is skipped.
+
+    ``partitions`` is the event topic's partition count, against which an endpoint's
+    key partition is checked.
+    """
+
+    def __init__(self, state: CacheState, mirror: Mirror, metrics: Metrics,
+                 partitions: int = 1, dead_letters: DeadLetterSink | None = None) -> None:
         self.state = state
         self.mirror = mirror
         self.metrics = metrics
+        self.partitions = partitions
+        self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else _Letters()
+        self._rejected: dict[str, int] = {}
 
-    def apply_record(self, partition: int, offset: int, raw: bytes | None) -> None:
-        """Apply one record of the event topic; malformed ones are counted and skipped."""
-        position = Position(partition, offset)
-        try:
-            event = decode_event(raw)
-        except MalformedEvent as exc:
-            if self.state.advance(position):
-                self.mirror.write(partition, Effects(), offset)
-                self.metrics.malformed.inc()
-                log.warning("skipped malformed record at partition %d offset %d: %s",
-                            partition, offset, exc)
-            return
-        effects = self.state.apply(event, position)
-        if effects is None:
+    def apply_record(self, partition: int, offset: int, raw: bytes | None,
+                     key: bytes | None = None) -> None:
+        """Apply one record of the event topic; one that is not applied is dead-lettered,
+        counted and skipped, its offset applied all the same."""
+        outcome = fold_record(self.state, partition, offset, key, raw, self.partitions)
+        if outcome is None:
             self.metrics.redelivered.inc()
-            return
-        self.mirror.write(partition, effects, offset)
-        self.metrics.events.labels(event.type).inc()
+        elif isinstance(outcome, Applied):
+            self.mirror.write(partition, outcome.effects, offset)
+            self.metrics.events.labels(outcome.event.type).inc()
+        else:
+            self.dead_letters.add(DeadLetter(partition, offset, key, raw, outcome.reason))
+            self.mirror.write(partition, Effects(), offset)
+            self.metrics.dead_letters.labels(outcome.reason).inc()
+            if outcome.reason in _MALFORMED:
+                self.metrics.malformed.inc()
+            seen = self._rejected[outcome.reason] = self._rejected.get(outcome.reason, 0) + 1
+            if seen <= 10 or seen % 1000 == 0:  # a misconfigured producer must not flood the log
+                log.warning("dead-lettered record at partition %d offset %d (%s, %d so far): %s",
+                            partition, offset, outcome.reason, seen, outcome.detail)
 
     def apply_batch(self, partition: int, records: Iterable[Any]) -> None:
-        """Apply fetched records (with ``offset`` and ``value``) of one partition, in order."""
+        """Apply fetched records (with ``offset``, ``key`` and ``value``) of one partition,
+        in order."""
         apply = self.apply_record
         for record in records:
-            apply(partition, record.offset, record.value)
+            apply(partition, record.offset, record.value, record.key)
 
     def reload(self, partitions: dict[int, Any], preload: LocalPreload | None = None) -> None:
         """Replace these partitions' part of the view with their stores' durable entries
@@ -212,9 +243,10 @@ class ChangelogFollower(mode.Service):
     """
 
     def __init__(self, bootstrap_servers: str, changelog: str, view: CacheState,
-                 **kwargs: Any) -> None:
+                 client: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bootstrap_servers = bootstrap_servers
+        self.client = client or {}
         self.changelog = changelog
         self.view = view
         self.following: set[int] = set()
@@ -225,7 +257,7 @@ class ChangelogFollower(mode.Service):
     async def on_start(self) -> None:
         """Connect; nothing is read until ``follow`` names the partitions."""
         self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
-                                          enable_auto_commit=False)
+                                          enable_auto_commit=False, **self.client)
         await self._consumer.start()
 
     async def on_stop(self) -> None:
@@ -355,6 +387,7 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
     )
     return {
         "broker": f"kafka://{bootstrap_servers}",
+        "broker_credentials": faust_credentials(settings.kafka),
         "store": "rocksdb://",
         "datadir": str(settings.data_dir),
         "web_enabled": False,
@@ -390,11 +423,27 @@ def build_worker(
     readiness = Readiness(app, settings.events_topic, state)
     metrics = Metrics(state, readiness.lag)
     mirror = TableMirror(app, table)
-    keeper = StateKeeper(state, mirror, metrics)
+
+    async def prepare_dead_letters() -> int:
+        # normally created at start (ensure_topics); made sure of here before the first letter
+        durability = await cluster_durability(bootstrap_servers, settings)
+        return await ensure_topic(bootstrap_servers, settings.dead_letter_topic, partitions,
+                                  durability.topic_config(DEAD_LETTER_TOPIC_CONFIG),
+                                  durability.replication_factor, settings.kafka)
+
+    dead_letters = DeadLetterWriter(settings.dead_letter_topic, mirror._producer,
+                                    prepare_dead_letters)
+    keeper = StateKeeper(state, mirror, metrics, partitions, dead_letters)
+
+    async def flush() -> None:
+        # dead letters first: once the files hold a batch's applied offsets, its records are
+        # never delivered again, so their letters must be on the log by then
+        await dead_letters.flush()
+        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
 
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
         keeper.apply_batch(partition, records)
-        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
+        await flush()
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 
@@ -404,12 +453,14 @@ def build_worker(
     @app.agent(topic, name="apply-events")
     async def apply_events(stream: faust.StreamT[bytes]) -> None:
         async for event in stream.events():
-            keeper.apply_record(event.message.partition, event.message.offset, event.value)
-            await mirror.flush()
+            message = event.message
+            keeper.apply_record(message.partition, message.offset, message.value, message.key)
+            await flush()
 
     changelog = table.changelog_topic.get_topic_name()
 
-    follower = ChangelogFollower(bootstrap_servers, changelog, state)
+    follower = ChangelogFollower(bootstrap_servers, changelog, state,
+                                 client_options(settings.kafka))
     readiness.follower = follower
 
     @table.on_recover

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream.codec import encode_event
+from stream.codec import MalformedEvent, decode_event, encode_event
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
@@ -41,9 +41,17 @@ def records_of(scenario: Scenario) -> list[tuple[int, bytes]]:
     return [(position.offset, encode_event(event)) for position, event in scenario.log]
 
 
+def key_of(raw: bytes | None) -> bytes | None:
+    """The key mmcache's publisher gives a record: its endpoint, if it has one."""
+    try:
+        return getattr(decode_event(raw), "endpoint", "").encode() or None
+    except MalformedEvent:
+        return None
+
+
 def feed(keeper: StateKeeper, records) -> None:
     for offset, raw in records:
-        keeper.apply_record(0, offset, raw)
+        keeper.apply_record(0, offset, raw, key_of(raw))
 
 
 def fold(scenario: Scenario) -> CacheState:
@@ -286,7 +294,7 @@ def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
     assert sample(keeper, "mmcache_malformed_events_total") == 1
     assert keeper.state.digest() == digest
 
-    keeper.apply_record(0, 3, encode_event(PLACE_C))
+    keeper.apply_record(0, 3, encode_event(PLACE_C), b"ns/other")
     assert view(keeper.state) == {"ns/pod": [("a", 1), ("b", 2)], "ns/other": [("a", 1)]}
     assert keeper.state.applied == {0: 3}
     assert decode_applied(table_of(keeper)[APPLIED_KEY]) == 3
@@ -299,7 +307,7 @@ def test_version_field_defaults_to_1_so_a_record_without_it_applies():
     keeper = keeper_for(Capacity("items", 4))
     doc = orjson.loads(encode_event(PLACE_A))
     del doc["v"]
-    keeper.apply_record(0, 0, orjson.dumps(doc))
+    keeper.apply_record(0, 0, orjson.dumps(doc), b"ns/pod")
     assert sample(keeper, "mmcache_malformed_events_total") == 0
     assert view(keeper.state) == {"ns/pod": [("a", 1)]}
 
@@ -317,3 +325,49 @@ def test_applied_offset_of_a_trailing_malformed_record_survives_reload():
     feed(keeper, [(0, encode_event(PLACE_A)), (1, b"not json")])
     assert keeper.state.applied == {0: 1}
     assert reloaded(keeper).applied == {0: 1}
+
+
+# -- dead letters ---------------------------------------------------------------------------
+
+def test_records_not_applied_become_dead_letters_counted_by_reason_and_later_ones_apply():
+    from stream.core.routing import key_partition
+
+    parts = 4
+    state = CacheState(Capacity("items", 4))
+    keeper = StateKeeper(state, MappingMirror({}), Metrics(state, lambda: {}), parts)
+    home = key_partition(b"ns/pod", parts)
+    wrong = (home + 1) % parts
+    placed = encode_event(PLACE_A)
+    keeper.apply_record(home, 0, b"not json", b"ns/pod")
+    keeper.apply_record(home, 1, _with(PLACE_A, v=99), b"ns/pod")
+    keeper.apply_record(home, 2, placed, b"ns/other")
+    keeper.apply_record(wrong, 0, placed, b"ns/pod")
+    keeper.apply_record(home, 3, placed, b"ns/pod")
+    assert view(keeper.state) == {"ns/pod": [("a", 1)]}
+    assert [(d.partition, d.offset, d.key, d.reason) for d in keeper.dead_letters] == [
+        (home, 0, b"ns/pod", "not_json"), (home, 1, b"ns/pod", "unknown_version"),
+        (home, 2, b"ns/other", "wrong_key"), (wrong, 0, b"ns/pod", "wrong_partition"),
+    ]
+    assert keeper.dead_letters[2].value == placed  # copied as read
+    assert keeper.dead_letters[3].headers() == [
+        ("mmcache.reason", b"wrong_partition"),
+        ("mmcache.source.partition", str(wrong).encode()),
+        ("mmcache.source.offset", b"0"),
+    ]
+    for reason in ("not_json", "unknown_version", "wrong_key", "wrong_partition"):
+        assert sample(keeper, "mmcache_dead_letters_total", {"reason": reason}) == 1
+    assert keeper.state.applied == {home: 3, wrong: 0}
+    # the skipped record's offset is durable too: a reload does not deliver it again
+    assert decode_applied(keeper.mirror.stores[wrong][APPLIED_KEY]) == 0
+    keeper.apply_record(wrong, 0, placed, b"ns/pod")  # redelivered
+    assert len(keeper.dead_letters) == 4
+
+
+def test_a_batch_of_records_uses_each_records_key():
+    from types import SimpleNamespace
+
+    keeper = keeper_for(Capacity("items", 4))
+    keeper.apply_batch(0, [SimpleNamespace(offset=0, key=b"ns/pod", value=encode_event(PLACE_A)),
+                           SimpleNamespace(offset=1, key=b"ns/pod", value=encode_event(PLACE_C))])
+    assert view(keeper.state) == {"ns/pod": [("a", 1)]}
+    assert [d.reason for d in keeper.dead_letters] == ["wrong_key"]
