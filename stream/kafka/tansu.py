@@ -10,7 +10,7 @@ Measured deviations from Kafka (see BROKER.md) and what is done here about them:
 
 Group timing is not a deviation to patch but a setting: see ``stream.worker``.
 Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
-cluster id before anything is patched.
+cluster id (``cluster_id``, also what a data dir records) before anything is patched.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
+from stream.config import KafkaSecurity
 from stream.kafka.fetcher import cap_fetcher_setting
 
-__all__ = ["FETCH_WAIT_MS", "apply_remedies", "is_tansu"]
+__all__ = ["FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id"]
 
 FETCH_WAIT_MS = 10
 
@@ -35,17 +36,30 @@ log = logging.getLogger(__name__)
 _applied = False
 
 
-async def is_tansu(bootstrap_servers: str) -> bool:
-    """Ask the cluster for its id; Tansu's ids contain 'tansu'."""
-    client = AIOKafkaClient(bootstrap_servers=bootstrap_servers)
+async def cluster_id(bootstrap_servers: str, security: KafkaSecurity | None = None) -> str:
+    """The cluster id from the broker's Metadata response ('' if it reports none)."""
+    from stream.kafka.clients import client_options  # imports Faust: only when asked
+
+    options = client_options(security) if security is not None else {}
+    client = AIOKafkaClient(bootstrap_servers=bootstrap_servers, **options)
     try:
         await client.bootstrap()
         node_id = client.get_random_node()
         response = await client.send(node_id, MetadataRequest([]))
-        cluster_id = getattr(response, "cluster_id", None) or ""
+        found = getattr(response, "cluster_id", None) or ""
     finally:
         await client.close()
-    return "tansu" in cluster_id.lower()
+    return str(found)
+
+
+def is_tansu_id(cluster: str) -> bool:
+    """Whether a cluster id is Tansu's (every embedded broker's id contains 'tansu')."""
+    return "tansu" in cluster.lower()
+
+
+async def is_tansu(bootstrap_servers: str, security: KafkaSecurity | None = None) -> bool:
+    """Ask the cluster for its id; Tansu's ids contain 'tansu'."""
+    return is_tansu_id(await cluster_id(bootstrap_servers, security))
 
 
 async def _end_offsets_from_fetch(

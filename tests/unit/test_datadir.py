@@ -1,0 +1,196 @@
+"""DataDir: mmcache removes only what it created, one process per dir, one cluster per dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import orjson
+import pytest
+
+from stream.core.cache import Capacity
+from stream.datadir import LOCK_NAME, DataDir, DataDirInUse, StateMismatch
+from stream.kafka.embedded import new_cluster_id
+
+IDENTITY = DataDir.identity("app", "app-events", Capacity("items", 1024))
+REAL_CLUSTER = "Lk3rYq0bQ9uG1o2JmX8y7w"  # what a real Kafka cluster id looks like
+
+
+def ours(root, cluster_id: str | None = None) -> DataDir:
+    """A dir as a stopped worker leaves it: marker, tables with a RocksDB file, no RUNNING
+    (made without claiming it, so that this test process does not hold its lock)."""
+    datadir = DataDir(root)
+    datadir.check(IDENTITY, cluster_id)
+    db = datadir.open_partition(0)
+    db[b"k"] = b"v"
+    db.close()
+    (datadir.tables / "lru-backups").mkdir()
+    (root / LOCK_NAME).touch()
+    return datadir
+
+
+def snapshot(root) -> dict[str, bytes | None]:
+    """Every path under root with its content (None for dirs)."""
+    found: dict[str, bytes | None] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            found[os.path.relpath(os.path.join(dirpath, name), root)] = None
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            found[os.path.relpath(path, root)] = open(path, "rb").read()  # noqa: SIM115
+    return found
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["embedded", "cluster"])
+def test_a_user_file_survives_and_the_dir_is_refused(tmp_path, fresh):
+    (tmp_path / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match="did not create.*notes.txt.*nothing was deleted"):
+        DataDir(tmp_path).claim(IDENTITY, fresh=fresh, cluster_id=new_cluster_id())
+    assert snapshot(tmp_path) == before  # not even a marker or a lock file was added
+
+
+@pytest.mark.parametrize("where", ["v1/notes.txt", "v1/tables/notes.txt", "v1/tables/other.db/x",
+                                   "v2/x", "RUNNING.bak"])
+def test_a_user_file_next_to_our_state_is_refused_and_nothing_is_deleted(tmp_path, where):
+    datadir = ours(tmp_path, new_cluster_id())
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match="did not create"):
+        DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
+    assert snapshot(tmp_path) == before
+    assert datadir.partitions() == [0]
+
+
+def test_a_symlink_is_not_followed_and_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("mine")
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "v1").symlink_to(outside)
+    with pytest.raises(StateMismatch, match="did not create.*v1"):
+        DataDir(root).claim(IDENTITY, fresh=True)
+    assert (outside / "precious").read_text() == "mine"
+
+
+def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "data").write_text("mine")
+    with pytest.raises(StateMismatch):
+        DataDir(tmp_path / "data").claim(IDENTITY)
+    assert (tmp_path / "data").read_text() == "mine"
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["embedded", "cluster"])
+def test_a_dir_built_against_another_cluster_is_refused_and_kept(tmp_path, fresh):
+    datadir = ours(tmp_path, REAL_CLUSTER)
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match=f"built against Kafka cluster '{REAL_CLUSTER}'"):
+        DataDir(tmp_path).claim(IDENTITY, fresh=fresh, cluster_id=new_cluster_id())
+    assert snapshot(tmp_path) == before
+    assert datadir.recorded_cluster() == REAL_CLUSTER
+
+
+def test_a_restarted_shared_broker_is_another_cluster(tmp_path):
+    """A `mmcache broker` that restarted lost its log: a dir built on it is refused, not reused."""
+    ours(tmp_path, new_cluster_id())
+    with pytest.raises(StateMismatch, match="built against Kafka cluster"):
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=new_cluster_id())
+
+
+def test_the_same_cluster_keeps_the_state(tmp_path):
+    cluster = new_cluster_id()
+    ours(tmp_path, cluster)
+    again = DataDir(tmp_path)
+    again.claim(IDENTITY, cluster_id=cluster)
+    assert again.partitions() == [0]
+    assert again.read_identity() == IDENTITY
+    assert again.recorded_cluster() == cluster
+
+
+def test_a_state_of_an_earlier_embedded_broker_is_cleared_of_our_files_only(tmp_path):
+    datadir = ours(tmp_path, new_cluster_id())
+    now = new_cluster_id()
+    DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=now)
+    assert datadir.partitions() == []
+    assert not (tmp_path / "v1").exists()
+    assert datadir.recorded_cluster() == now
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, "RUNNING", "mmcache-state.json"])
+
+
+def test_a_rebuilt_seed_is_never_cleared_by_an_embedded_start(tmp_path):
+    datadir = DataDir(tmp_path)
+    datadir.check(IDENTITY)  # as `rebuild` writes it: no cluster recorded
+    datadir.seed.touch()
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match="rebuilt state"):
+        DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
+    after = snapshot(tmp_path)
+    assert after.pop(LOCK_NAME) == b""  # the lock file, ours, is all that was added
+    assert after == before
+
+
+def test_a_state_with_no_recorded_cluster_takes_the_cluster_it_is_first_served_on(tmp_path):
+    datadir = DataDir(tmp_path)
+    datadir.check(IDENTITY)
+    datadir.claim(IDENTITY, cluster_id=REAL_CLUSTER)
+    assert orjson.loads(datadir.marker.read_bytes())["cluster_id"] == REAL_CLUSTER
+    assert datadir.read_identity() == IDENTITY
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_an_empty_or_absent_dir_is_taken(tmp_path, fresh):
+    (tmp_path / "empty").mkdir()
+    for root in (tmp_path / "empty", tmp_path / "absent" / "deeper"):
+        datadir = DataDir(root)
+        datadir.claim(IDENTITY, fresh=fresh, cluster_id=REAL_CLUSTER)
+        assert datadir.running.exists()
+        assert datadir.recorded_cluster() == REAL_CLUSTER
+
+
+CLAIM = """
+import sys
+from pathlib import Path
+from stream.core.cache import Capacity
+from stream.datadir import DataDir
+d = DataDir(Path(sys.argv[1]))
+d.claim(DataDir.identity("app", "app-events", Capacity("items", 1024)))
+d.release()
+"""
+
+
+def test_a_second_process_is_refused_while_the_first_holds_the_dir(tmp_path):
+    datadir = ours(tmp_path)
+    datadir.claim(IDENTITY)  # this process holds it, like a live worker
+    second = subprocess.run([sys.executable, "-c", CLAIM, str(tmp_path)], capture_output=True,
+                            text=True, timeout=60)
+    assert second.returncode != 0
+    assert second.stderr.strip().splitlines() == [
+        f"{tmp_path} is in use by another mmcache worker (it holds {tmp_path / LOCK_NAME}): "
+        "give each worker its own --data-dir."
+    ]
+    assert datadir.running.exists()  # the live worker's marker and files are untouched
+    assert datadir.partitions() == [0]
+
+
+def test_the_lock_is_free_again_once_its_process_ended(tmp_path):
+    ours(tmp_path)
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", CLAIM, str(tmp_path)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert DataDir(tmp_path).partitions() == [0]
+
+
+def test_a_process_that_does_not_hold_the_lock_releases_nothing(tmp_path):
+    datadir = DataDir(tmp_path)
+    datadir.check(IDENTITY)
+    datadir.running.touch()  # another worker's marker
+    DataDir(tmp_path).release()
+    assert datadir.running.exists()
+
+
+def test_the_in_use_refusal_is_a_state_mismatch_exit():
+    assert issubclass(DataDirInUse, SystemExit)
