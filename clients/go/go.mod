@@ -1,0 +1,3 @@
+module mmcache/clients/go/mmcache
+
+go 1.19
