@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit integration lint schemas broker bench tools clean
+.PHONY: run test unit integration lint schemas broker bench tools golang clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,16 @@ ifeq ($(WRK),)
 	-(apt-get install -y -qq wrk >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wrk >/dev/null 2>&1)) || echo "wrk not installed: HTTP benchmarks need it"
 endif
 
-test: $(STAMP) tools
+# Go (Debian's golang-go, standard library only) builds and tests the Go client in
+# clients/go, whose tests run against a live serve (tests/integration/test_go_client.py).
+GO := $(shell command -v go 2>/dev/null || ls /usr/lib/go/bin/go 2>/dev/null)
+
+golang:
+ifeq ($(GO),)
+	-(apt-get install -y -qq golang-go >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq golang-go >/dev/null 2>&1)) || echo "golang-go not installed (needs root): the Go client's test will fail"
+endif
+
+test: $(STAMP) tools golang
 	$(BIN)/python -m pytest -q
 
 unit: $(STAMP)
