@@ -7,6 +7,7 @@ Shapes are checked here; the configurable limits (counts and lengths) are checke
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -29,6 +30,7 @@ __all__ = [
     "PlacementRequest",
     "StateResponse",
     "check_limits",
+    "check_placement",
     "read_match",
 ]
 
@@ -200,6 +202,25 @@ def check_limits(
         if i is not None:
             raise InvalidField(f"{items_field}[{i}].hash",
                                f"at most {limits.max_hash_chars} characters (max_hash_chars)")
+
+
+def check_placement(limits: Limits, endpoints: list[str], view: Collection[str]) -> None:
+    """Raise ``InvalidField`` when a placement's fan-out breaks a limit.
+
+    A placement is one event per distinct endpoint and each touches every item, so it
+    names at most ``max_placement_endpoints`` of them; and it may not take the view past
+    ``max_total_endpoints`` endpoints (``view`` is the container of names it holds). The
+    view is eventual, so concurrent placements can pass that bound by what is in flight.
+    """
+    distinct = list(dict.fromkeys(endpoints))
+    if len(distinct) > limits.max_placement_endpoints:
+        raise InvalidField("endpoints", f"at most {limits.max_placement_endpoints} distinct endpoints "
+                                        "per placement (max_placement_endpoints)")
+    new = sum(1 for name in distinct if name not in view)
+    if new and len(view) + new > limits.max_total_endpoints:
+        raise InvalidField("endpoints", f"the view holds {len(view)} endpoints, at most "
+                                        f"{limits.max_total_endpoints} (max_total_endpoints): "
+                                        "delete or sync gone endpoints first")
 
 
 def _first_longer(texts: list[str], limit: int) -> int | None:

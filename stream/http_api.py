@@ -4,6 +4,10 @@
 the event log and answer 202 only once the broker acknowledged them; they change the
 view only when the worker applies them from the log, so the log stays the one source
 of truth. Every bad body is refused before anything is written.
+
+With a token file, writes and ``/v1/state`` (and, with its own file, ``/v1/match``) need
+``Authorization: Bearer <token>``; the check runs before the body is read, and a route
+whose file is not set is built without it, so open ``/v1/match`` pays nothing for it.
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ from stream.api_models import (
     MatchRequest,
     PlacementRequest,
     check_limits,
+    check_placement,
     read_match,
 )
+from stream.auth import TokenFile
 from stream.config import Limits
 from stream.core.cache import CacheState
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
 from stream.core.items import InvalidField, Item, extract_items, unique_items
 from stream.kafka.publisher import EventPublisher, LogUnavailable
 from stream.metrics import Metrics
+from stream.openapi import openapi_document
 
 __all__ = ["HttpApi", "render_match"]
 
@@ -113,6 +120,13 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return _json({"error": {"code": code, "message": message}}, status)
 
 
+_UNAUTHORIZED = orjson.dumps({"error": {
+    "code": "unauthorized",
+    "message": "missing or invalid bearer token: send 'Authorization: Bearer <token>'"}})
+_INTERNAL = orjson.dumps({"error": {
+    "code": "internal_error", "message": "the request failed inside the service; nothing was written"}})
+
+
 def _invalid(exc: InvalidField) -> ApiError:
     return ApiError(400, "invalid_request", str(exc))
 
@@ -141,12 +155,16 @@ class HttpApi:
         metrics: Metrics,
         limits: Limits,
         is_ready: Callable[[], bool],
+        write_tokens: TokenFile | None = None,
+        match_tokens: TokenFile | None = None,
     ) -> None:
         self.state = state
         self.publisher = publisher
         self.metrics = metrics
         self.limits = limits
         self.is_ready = is_ready
+        self.write_tokens = write_tokens
+        self.match_tokens = match_tokens
 
     def application(self) -> web.Application:
         """Build the aiohttp application with every route of CONTRACT.
@@ -154,24 +172,34 @@ class HttpApi:
         Errors and timing wrap each handler (``_route``) instead of being an aiohttp
         middleware: any middleware makes aiohttp run its chain, and one of its own, on
         every request. A catch-all route keeps 404 and 405 answers in CONTRACT's JSON.
+
+        ``/healthz`` and ``/readyz`` are open (probes carry no token); so are ``/metrics``
+        (Prometheus scrapes pods without credentials by default; it holds counts and pod
+        names, never item hashes, and changes nothing) and ``/openapi.json`` (the public
+        contract, the same for every deployment).
         """
         app = web.Application(client_max_size=self.limits.max_body_bytes)
         add_post, add_get, route = app.router.add_post, app.router.add_get, self._route
-        add_post("/v1/match", route("/v1/match", self.match))
-        add_post("/v1/placements", route("/v1/placements", self.placements))
-        add_post("/v1/endpoint-events", route("/v1/endpoint-events", self.endpoint_events))
-        add_get("/v1/state", route("/v1/state", self.state_summary))
+        writes, matches = self.write_tokens, self.match_tokens
+        add_post("/v1/match", route("/v1/match", self.match, matches))
+        add_post("/v1/placements", route("/v1/placements", self.placements, writes))
+        add_post("/v1/endpoint-events", route("/v1/endpoint-events", self.endpoint_events, writes))
+        add_get("/v1/state", route("/v1/state", self.state_summary, writes))
         add_get("/healthz", route("/healthz", self.healthz))
         add_get("/readyz", route("/readyz", self.readyz))
         add_get("/metrics", route("/metrics", self.metrics_text))
+        add_get("/openapi.json", route("/openapi.json", self.openapi))
         known = list(app.router.resources())
         app.router.add_route("*", "/{path:.*}", self._route("unmatched", self._unrouted(known)))
         return app
 
-    def _route(self, name: str, handler: Handler) -> Handler:
-        """``handler`` answering every error as CONTRACT's JSON body, timed by route."""
+    def _route(self, name: str, handler: Handler, tokens: TokenFile | None = None) -> Handler:
+        """``handler`` answering every error as CONTRACT's JSON body, timed by route, and
+        behind a bearer token when ``tokens`` is given (checked before anything is read)."""
         timer = self.metrics.request_timer(name)
         too_large = f"body over {self.limits.max_body_bytes} bytes (max_body_bytes)"
+        if tokens is not None:
+            handler = self._guarded(handler, tokens)
 
         async def handle(request: web.Request) -> web.StreamResponse:
             started = time.perf_counter()
@@ -183,10 +211,27 @@ class HttpApi:
                 response = _error(413, "body_too_large", too_large)
             except web.HTTPException as exc:
                 response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+                if "Allow" in exc.headers:  # a 405 says which methods the path takes
+                    response.headers["Allow"] = exc.headers["Allow"]
+            except Exception:
+                log.exception("unexpected error on %s", name)
+                response = web.Response(body=_INTERNAL, status=500, content_type="application/json")
             timer.observe(time.perf_counter() - started)
             return response
 
         return handle
+
+    @staticmethod
+    def _guarded(handler: Handler, tokens: TokenFile) -> Handler:
+        """401 with ``WWW-Authenticate: Bearer`` unless the request carries a valid token."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            if not tokens.allows(request.headers.get("Authorization")):
+                return web.Response(body=_UNAUTHORIZED, status=401, content_type="application/json",
+                                    headers={"WWW-Authenticate": 'Bearer realm="mmcache"'})
+            return await handler(request)
+
+        return guarded
 
     @staticmethod
     def _unrouted(known: list[web.AbstractResource]) -> Handler:
@@ -256,6 +301,7 @@ class HttpApi:
         try:
             items = self._placement_items(placement)
             check_limits(self.limits, endpoints=placement.endpoints, items=items)
+            check_placement(self.limits, placement.endpoints, self.state.endpoints)
         except InvalidField as exc:
             raise _invalid(exc) from None
         if not items:
@@ -292,16 +338,20 @@ class HttpApi:
 
     @staticmethod
     async def _publish(publish: Awaitable[int]) -> int:
+        """The publisher's count, or 503: ``log_unavailable`` (not acknowledged in time,
+        may still be written) or ``overloaded`` (too many writes waiting, nothing sent).
+        The publisher logs the failures, rate-limited."""
         try:
             return await publish
         except LogUnavailable as exc:
-            log.warning("%s", exc)
-            raise ApiError(503, "log_unavailable", str(exc)) from None
+            raise ApiError(503, exc.code, str(exc)) from None
 
     async def state_summary(self, request: web.Request) -> web.Response:
         """Per-endpoint counts, the capacity and the digest of the whole state."""
         raw_limit = request.query.get("limit", "100")
-        if not raw_limit.isdigit():
+        # ASCII digits only ("²" is a digit to str.isdigit but not to int), and short
+        # enough for int() (which refuses over 4,300 digits)
+        if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18):
             raise ApiError(400, "invalid_request", "limit: must be a non-negative integer")
         capacity = self.state.capacity
         return _json(
@@ -312,6 +362,11 @@ class HttpApi:
                 "digest": self.state.digest(),
             }
         )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI 3.1 document of this API, from the models of ``schemas/``."""
+        document = openapi_document(self.write_tokens is not None, self.match_tokens is not None)
+        return web.Response(body=document, content_type="application/json")
 
     async def healthz(self, request: web.Request) -> web.Response:
         """The process is alive."""
