@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from stream.core.cache import CacheState, Capacity, Effects, EndpointMatch, Entry
+from stream.core.cache import CacheState, Capacity, Effects, EndpointMatch, Entry, combine_digests
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 
@@ -742,3 +742,124 @@ def test_export_then_from_export_gives_the_same_state():
     assert copy.endpoints == state.endpoints
     assert copy.holders == {"a": {"e", "f"}, "b": {"e"}}
     assert copy.applied == {2: 5, 1: 0}
+
+
+# -- the digest per endpoint, in slices ------------------------------------------------------
+
+
+def _filled(endpoints: int, entries: int) -> CacheState:
+    state = items_mode(entries)
+    for e in range(endpoints):
+        items = [Item(f"h{e}-{i}", 1 + i % 3, "image") for i in range(entries)]
+        state.apply(ItemsPlaced(endpoint=f"ns/pod-{e}", items=items), Position(0, e))
+    return state
+
+
+class _HashCount:
+    """Counts the strings the digest code feeds its hashes (one per entry hashed)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import stream.core.cache as cache_module
+
+        self.count = 0
+        real = cache_module._put
+
+        def counting(h, text):
+            self.count += 1
+            real(h, text)
+
+        monkeypatch.setattr(cache_module, "_put", counting)
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def _settle(state: CacheState, budget: int) -> list[bool]:
+    state.start_digest_round()
+    done = [state.refresh_digests(budget)]
+    while not done[-1]:
+        done.append(state.refresh_digests(budget))
+    return done
+
+
+def test_a_slice_hashes_at_most_its_budget_of_entries_even_inside_one_endpoint(monkeypatch):
+    state = _filled(3, 10)
+    hashed = _HashCount(monkeypatch)
+    state.start_digest_round()
+    counts = []
+    while not state.refresh_digests(4):
+        counts.append(hashed.take())
+    counts.append(hashed.take())
+    assert max(counts) <= 4 and sum(counts) == 30  # 30 entries, each hashed once
+    assert state.cached_digest() == state.digest()
+
+
+def test_a_settled_digest_is_not_recomputed_and_a_change_rehashes_only_its_endpoint(monkeypatch):
+    state = _filled(5, 8)
+    _settle(state, 1000)
+    hashed = _HashCount(monkeypatch)
+    assert state.cached_digest() == state.latest_digest()
+    assert _settle(state, 1000) == [True] and hashed.take() == 0
+    state.apply(ItemsPlaced(endpoint="ns/pod-2", items=[Item("new", 1, "image")]), Position(0, 9))
+    assert state.cached_digest() is None  # a change is never answered from stale digests
+    _settle(state, 1000)
+    assert hashed.take() == 8  # ns/pod-2's 8 entries (capacity 8), no other endpoint's
+    hashed.take()
+    assert state.cached_digest() == state.digest()
+
+
+def test_every_mutation_path_makes_its_endpoint_pending():
+    state = _filled(2, 4)
+    changes = [
+        lambda: state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("x", 1, "image")]),
+                            Position(0, 10)),
+        lambda: state.apply(EndpointDeleted(endpoint="ns/pod-1"), Position(0, 11)),
+        lambda: state.apply(EndpointsSynced(live=["ns/other"]), Position(0, 12)),
+        lambda: state.follow(1, "ns/f", "y", 2),
+        lambda: state.follow(1, "ns/f", "y", None),
+        lambda: state.restore_lru(2, "ns/r", [("z", 1)]),
+        lambda: state.restore(3, 0, [Entry("ns/s", "w", 1, 0, 0)]),
+        lambda: state.drop_partition(2),
+    ]
+    for change in changes:
+        _settle(state, 3)
+        assert not state.digests_pending()
+        change()
+        assert state.digests_pending()
+        _settle(state, 3)
+        assert state.cached_digest() == state.digest()
+
+
+def test_an_endpoint_changed_while_hashed_half_way_is_hashed_again():
+    state = _filled(1, 10)
+    state.start_digest_round()
+    assert not state.refresh_digests(4)  # ns/pod-0 is half hashed
+    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-0", 1, "image")]), Position(0, 5))
+    while not state.refresh_digests(4):
+        pass
+    assert state.cached_digest() == state.digest()
+    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-1", 1, "image")]), Position(0, 6))
+    state.start_digest_round()
+    assert not state.refresh_digests(4)  # half hashed again
+    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-2", 1, "image")]), Position(0, 7))
+    state.start_digest_round()  # a new round begun while the changed endpoint is half done
+    assert state.cached_digest() is None
+    assert _settle(state, 4)[-1] and state.cached_digest() == state.digest()
+
+
+def test_combined_digest_from_cache_equals_combine_digests_of_endpoint_digests():
+    state = _filled(7, 3)
+    _settle(state, 2)
+    assert state.cached_digest() == combine_digests(state.endpoint_digests()) == state.digest()
+
+
+def test_summary_ranks_by_items_then_name_for_any_limit():
+    state = items_mode(5)
+    for e, count in enumerate([3, 1, 3, 5, 2, 3]):
+        items = [Item(f"h{i}", 2, "image") for i in range(count)]
+        state.apply(ItemsPlaced(endpoint=f"ns/p{e}", items=items), Position(0, e))
+    full = [("ns/p3", 5, 10), ("ns/p0", 3, 6), ("ns/p2", 3, 6), ("ns/p5", 3, 6),
+            ("ns/p4", 2, 4), ("ns/p1", 1, 2)]
+    for limit in range(8):
+        assert [tuple(row) for row in state.summary(limit)] == full[:limit]

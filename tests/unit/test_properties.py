@@ -287,3 +287,66 @@ def model_fold(scenario: Scenario) -> dict[str, list[tuple[str, int]]]:
 @given(scenarios())
 def test_fold_equals_a_naive_model_of_the_contract(scenario):
     assert view(fold(scenario.capacity, scenario.log)) == model_fold(scenario)
+
+
+# (h) the digest kept per endpoint and hashed in slices --------------------------------------
+
+
+def settle(state: CacheState, budget: int) -> str | None:
+    """Run digest rounds of ``budget`` entries per slice until nothing is pending."""
+    while state.digests_pending():
+        state.start_digest_round()
+        while not state.refresh_digests(budget):
+            pass
+    return state.cached_digest()
+
+
+@SETTINGS
+@given(scenarios(), st.data())
+def test_digest_in_slices_between_any_events_equals_the_digest_from_scratch(scenario, data):
+    """Slices of any size, and rounds begun at any point, interleaved with the fold, with
+    a restore of a copy and the mirror of its effects: the cached digest always ends
+    equal to ``digest()``."""
+    state = CacheState(scenario.capacity)
+    mirror = CacheState(scenario.capacity)
+    for position, event in scenario.log:
+        effects = state.apply(event, position)
+        for entry in effects.upserts if effects else ():  # a placement's touches, then evictions
+            mirror.follow(position.partition, entry.endpoint, entry.hash, entry.size)
+        for name, digest in effects.removals if effects else ():
+            mirror.follow(position.partition, name, digest, None)
+        for target in (state, mirror):
+            step = data.draw(st.integers(0, 3), label="step")
+            if step == 1:
+                target.start_digest_round()
+            elif step >= 2:
+                target.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
+    budget = data.draw(st.integers(1, 5), label="final budget")
+    assert settle(state, budget) == state.digest()
+    assert settle(mirror, budget) == mirror.digest() == state.digest()
+    copy = restore_copy(state)
+    assert settle(copy, budget) == state.digest()
+
+
+@SETTINGS
+@given(scenarios(partitions=2), st.data())
+def test_digest_survives_export_merge_and_partition_reloads(scenario, data):
+    """The preload's path (export, from_export, merge) and a reload (drop_partition, then
+    restore) keep the cached digest equal to the one from scratch, even with slices
+    taken half-way."""
+    parts = scenario.by_partition()
+    states = [fold(scenario.capacity, parts.get(p, [])) for p in range(2)]
+    for part in states:
+        part.start_digest_round()
+        part.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
+    merged = CacheState.from_export(scenario.capacity, states[0].export())
+    merged.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
+    merged.merge(states[1])
+    whole = fold(scenario.capacity, scenario.log)
+    assert settle(merged, 3) == whole.digest()
+    partition = data.draw(st.integers(0, 1), label="partition")
+    entries = [e for p, e in whole.entries() if p == partition]
+    merged.drop_partition(partition)
+    assert settle(merged, 2) == merged.digest()
+    merged.restore(partition, whole.applied.get(partition), entries)
+    assert settle(merged, 4) == whole.digest()
