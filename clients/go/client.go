@@ -67,8 +67,15 @@ func WithToken(token string) Option {
 }
 
 // WithMatchToken sends a different bearer token on /v1/match than on the other
-// calls. Give it after WithToken.
-func WithMatchToken(token string) Option { return func(c *Client) { c.matchToken = token } }
+// calls. Give it after WithToken; an empty token changes nothing, so it can come
+// straight from an unset environment variable.
+func WithMatchToken(token string) Option {
+	return func(c *Client) {
+		if token != "" {
+			c.matchToken = token
+		}
+	}
+}
 
 // WithMatchTimeout sets the default timeout of Match (DefaultMatchTimeout); 0 leaves
 // the deadline to the context alone.
