@@ -1,5 +1,6 @@
 """Write the language-neutral JSON Schemas of every event and HTTP body to ``schemas/``,
-plus one example file per event type, from the pydantic models (the one source).
+plus one example file per event type and the OpenAPI document of a deployment whose
+writes need a token, from the pydantic models (the one source).
 
 Run ``make schemas``; a unit test fails when the committed files drift from the models.
 """
@@ -17,6 +18,7 @@ from stream import api_models
 from stream.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced
 from stream.core.items import Item
+from stream.openapi import build_document
 
 __all__ = ["EXAMPLES", "render", "write"]
 
@@ -52,6 +54,10 @@ def render() -> dict[str, bytes]:
         ) + b"\n"
         for name, model in SCHEMAS.items()
     }
+    files["openapi.json"] = orjson.dumps(
+        build_document(writes_need_token=True, match_needs_token=False),
+        option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS,
+    ) + b"\n"
     for name, event in EXAMPLES.items():
         files[name] = orjson.dumps(orjson.loads(encode_event(event)), option=orjson.OPT_INDENT_2) + b"\n"
     return files

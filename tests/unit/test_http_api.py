@@ -90,3 +90,39 @@ def test_a_huge_negative_length_is_read_as_an_integer():
     [(status, answer)] = requests([("POST", "/v1/match", raw)])
     assert status == 200
     assert answer["endpoints"][0]["matched_items"] == [{"hash": "h1", "size": 1, "modality": "image"}]
+
+
+@pytest.mark.parametrize("limit", ["²", "9" * 5000, "-1", "1.5", "x"])
+def test_a_bad_state_limit_is_400_never_500(limit):
+    [(status, answer)] = requests([("GET", f"/v1/state?limit={limit}", None)])
+    assert (status, answer) == (400, error("invalid_request", "limit: must be a non-negative integer"))
+
+
+def test_405_says_which_methods_the_path_takes():
+    api = make_api()
+
+    async def run():
+        async with TestClient(TestServer(api.application())) as client:
+            response = await client.request("DELETE", "/v1/placements")
+            return response.status, response.headers.get("Allow")
+
+    status, allow = asyncio.run(run())
+    assert status == 405 and allow == "POST"
+
+
+def test_an_unexpected_failure_is_a_json_500_that_reveals_nothing(monkeypatch):
+    api = make_api()
+
+    def broken(limit):
+        raise RuntimeError("internal detail /secret/path")
+
+    monkeypatch.setattr(api.state, "summary", broken)
+
+    async def run():
+        async with TestClient(TestServer(api.application())) as client:
+            response = await client.get("/v1/state")
+            return response.status, orjson.loads(await response.read())
+
+    status, answer = asyncio.run(run())
+    assert status == 500 and answer["error"]["code"] == "internal_error"
+    assert "secret" not in answer["error"]["message"]
