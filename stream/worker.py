@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import ssl
 from collections.abc import Iterable, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import faust
@@ -25,6 +27,7 @@ from faust.types import TP
 from rocksdict import WriteBatch
 
 from stream.admission import Applied, fold_record
+from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState, Effects
 from stream.datadir import TABLE_NAME
@@ -311,22 +314,44 @@ class ChangelogFollower(mode.Service):
 
 
 class HttpService(mode.Service):
-    """Runs the HTTP API and the event publisher next to the Faust app."""
+    """Runs the HTTP API (over TLS when given a context) and the event publisher next to
+    the Faust app."""
 
-    def __init__(self, api: HttpApi, host: str, port: int, **kwargs: Any) -> None:
+    def __init__(self, api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.api = api
         self.host = host
         self.port = port
+        self.tls = tls
         self._runner: web.AppRunner | None = None
+
+    @staticmethod
+    def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+        """The server TLS context of ``--tls-cert``/``--tls-key`` (``None``: plain HTTP);
+        a pair that cannot be loaded stops the start with one line naming the flags."""
+        if cert is None or key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(f"configuration error: --tls-cert {cert} / --tls-key {key}: "
+                             f"cannot load them ({type(exc).__name__}: {exc.strerror or exc})") from None
+        return context
 
     async def on_start(self) -> None:
         """Serve HTTP first, so /healthz and /readyz answer during recovery."""
         await self.api.publisher.start()
         self._runner = web.AppRunner(self.api.application(), access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
-        log.info("HTTP API on http://%s:%d", self.host, self.port)
+        await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.tls).start()
+        writes, matches = self.api.write_tokens, self.api.match_tokens
+        log.info("HTTP API on %s://%s:%d; auth for writes and /v1/state: %s; auth for /v1/match: %s",
+                 "https" if self.tls else "http", self.host, self.port,
+                 f"on ({len(writes)} tokens)" if writes else "off",
+                 f"on ({len(matches)} tokens)" if matches else "off")
 
     async def on_stop(self) -> None:
         """Stop taking requests, then flush the publisher."""
@@ -478,9 +503,13 @@ def build_worker(
     async def on_revoked(app: faust.App, revoked: Any, **kwargs: Any) -> None:
         readiness.reset()
 
-    publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s)
-    api = HttpApi(state, publisher, metrics, settings.limits, readiness.is_ready)
-    http = HttpService(api, settings.host, settings.port)
+    publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
+                               settings.max_writes_in_flight, settings.kafka)
+    api = HttpApi(state, publisher, metrics, settings.limits, readiness.is_ready,
+                  write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
+                  match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"))
+    http = HttpService(api, settings.host, settings.port,
+                       HttpService.tls_context(settings.tls_cert, settings.tls_key))
     worker = faust.Worker(app, http, follower, loglevel=settings.log_level, quiet=True)
     worker.spinner = None  # a terminal spinner only garbles service logs
     return worker
