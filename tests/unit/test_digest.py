@@ -65,7 +65,7 @@ async def watched(holds: LoopHolds, call):
         holds.longest = max(holds.longest, holds.since_turn)
 
 
-# 200 endpoints x 1,024 entries: 200k entries, 50 slices of 4,096
+# 200 endpoints x 1,024 entries: 200k entries, 100 slices of 2,048
 ENDPOINTS, ENTRIES = 200, 1024
 
 
