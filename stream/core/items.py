@@ -47,10 +47,13 @@ def extract_items(body: Any, path: str = "body") -> list[Item]:
     The first source that yields at least one item wins: ``tokenized``, then
     ``generate``, then ``chat_completions``. A malformed source raises
     :class:`InvalidField` naming the field, even when an earlier source wins,
-    so that bad input is never half-accepted.
+    so that bad input is never half-accepted. A body with none of the three keys but a
+    top-level ``messages`` list is a plain OpenAI request, read as ``chat_completions``.
     """
     if not isinstance(body, dict):
         raise InvalidField(path, "must be a JSON object")
+    if isinstance(body.get("messages"), list) and not _SOURCE_KEYS & body.keys():
+        return unique_items(_from_chat(body, lambda: path))
     found: list[list[Item]] = []
     for key, source in _SOURCES:
         value = body.get(key)
@@ -170,3 +173,4 @@ _SOURCES: tuple[tuple[str, Callable[[Any, Path], Iterator[Item]]], ...] = (
     ("generate", _from_generate),
     ("chat_completions", _from_chat),
 )
+_SOURCE_KEYS = frozenset(key for key, _ in _SOURCES)

@@ -450,3 +450,23 @@ def test_null_feature_lists_count_as_absent():
     assert extract_items({"generate": {"features": {"mm_hashes": {"image": None}}}}) == []
     body = {"generate": {"features": {"mm_hashes": {"image": None, "video": ["v"]}}}}
     assert extract_items(body) == [Item("v", 1, "video")]
+
+
+def test_plain_openai_request_is_read_as_chat_completions():
+    blocks = [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]
+    plain = {"model": "m", "messages": [{"role": "user", "content": blocks}]}
+    assert extract_items(plain) == extract_items(chat(*blocks))
+    assert extract_items(plain)[0].modality == "image"
+
+
+def test_plain_openai_request_errors_name_the_field():
+    plain = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    with pytest.raises(InvalidField) as error:
+        extract_items(plain)
+    assert error.value.field.startswith("body.messages[0].content[0].image_url")
+
+
+def test_a_wrapped_source_wins_over_top_level_messages():
+    body = {"generate": {"features": {"mm_hashes": {"image": ["h1"]}}},
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}
+    assert [item.hash for item in extract_items(body)] == ["h1"]
