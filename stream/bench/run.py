@@ -57,12 +57,20 @@ def _restart(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return restart_and_footprint(bootstrap, _sized(600_000, 60_000 if quick else 0, scale))
 
 
+def _state_poll(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.state_poll import state_poll_figures
+
+    return state_poll_figures(_sized(600_000, 300_000 if quick else 0, scale),
+                              3 if scale else 4 if quick else 10, 1 if scale or quick else 5)
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
     "ingest": _ingest,
     "replay": _replay,
     "restart": _restart,
+    "state_poll": _state_poll,
 }
 
 

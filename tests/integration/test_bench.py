@@ -76,3 +76,17 @@ def test_wrk_latency_units_are_read_as_milliseconds():
     assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "50%  812.00us")) == pytest.approx(0.812)
     assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "99%    1.50ms")) == 1.5
     assert _ms(re.search(r"(\d+\.\d+)(us|ms|s)\b", "99%    2.00s")) == 2000.0
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian package) is not installed")
+def test_state_poll_scenario_measures_polled_against_unpolled(bootstrap, tmp_path):
+    figures = {f.name: f for f in run(tmp_path / "s.json", only=["state_poll"], bootstrap=bootstrap,
+                                      scale=0.01)}
+    p99, worst = figures["match_p99_with_state_polled"], figures["match_max_with_state_polled"]
+    assert 0 < p99.control <= worst.control and 0 < p99.value <= worst.value
+    assert p99.ratio == pytest.approx(p99.value / p99.control, rel=0.01, abs=6e-4)
+    assert p99.passed == (p99.value <= 2 * p99.control + 1)
+    assert worst.passed == (worst.value <= worst.control + 10)
+    assert "/v1/state calls" in worst.note and int(worst.note.split()[0]) >= 1
+    hold = figures["state_call_longest_loop_hold"]
+    assert hold.value > 0 and hold.passed == (hold.value <= 5)
