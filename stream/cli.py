@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from stream.config import Settings, load_plugin_config
 from stream.kafka.embedded import EmbeddedBroker
+from stream.logs import install_repeat_filter
 
 __all__ = ["main"]
 
@@ -47,35 +48,43 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    """Run a worker until SIGINT/SIGTERM, in this order: refuse a data dir that is not
+    ours, find the cluster (start the embedded broker, or ask the given one for its id),
+    claim the dir (lock, cluster check), start reading the local state, run Faust with
+    a bound on its shutdown."""
     from stream.datadir import DataDir
     from stream.kafka.fetcher import shorten_prefetch_backoff
-    from stream.kafka.tansu import apply_remedies, is_tansu
+    from stream.kafka.tansu import apply_remedies, is_tansu_id
     from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
     from stream.preload import LocalPreload
     from stream.rebuild import seed_deployment
+    from stream.shutdown import guard_worker
 
     settings = _settings(args)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
+    datadir = DataDir(settings.data_dir)
+    datadir.refuse_foreign()  # before a broker is started for nothing (claim checks again)
     broker = None
     bootstrap = settings.bootstrap_servers
-    if not bootstrap:
-        broker = EmbeddedBroker().start()
-        bootstrap = broker.bootstrap_servers
+    if bootstrap:
+        cluster = _cluster_id(bootstrap, settings)
+    else:
+        broker = _start_broker(EmbeddedBroker())
+        bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
         log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker "
                     "(Tansu, memory only) on %s for development", bootstrap)
-    datadir = DataDir(settings.data_dir)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     try:
-        # The embedded broker's log lives in memory: state from an earlier run would
-        # describe a log that no longer exists.
+        # The embedded broker's log lives in memory: state from an earlier run describes
+        # a log that no longer exists, so that state (only ours) is cleared.
         datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
-                      fresh=broker is not None)
+                      fresh=broker is not None, cluster_id=cluster)
         # Forked before any thread runs and before Faust is imported. A seeded dir is
         # rewritten first, so it is not preloaded.
         preload = None if datadir.seed.exists() else LocalPreload(datadir, settings.capacity).start()
         from stream.worker import build_worker
 
-        embedded = loop.run_until_complete(is_tansu(bootstrap))
+        embedded = is_tansu_id(cluster)
         if embedded:
             apply_remedies()
         shorten_prefetch_backoff()
@@ -87,8 +96,12 @@ def _serve(args: argparse.Namespace) -> None:
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic)
             )
-        build_worker(settings, bootstrap, partitions, embedded=embedded,
-                     preload=preload).execute_from_commandline()
+        worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
+                              preload=preload)
+        # On the forced path the local files are kept (RUNNING released): they are written
+        # only once the changelog holds their records, so they are never ahead of it.
+        guard_worker(worker, settings.shutdown_timeout_s, [datadir.release])
+        worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
             datadir.release()
@@ -98,13 +111,42 @@ def _serve(args: argparse.Namespace) -> None:
             broker.stop()
 
 
+def _cluster_id(bootstrap: str, settings: Settings) -> str:
+    """The cluster's id, asked on a loop of its own that is closed with its resolver
+    threads (the local state's readers are forked afterwards)."""
+    from stream.kafka.tansu import cluster_id
+
+    try:
+        return asyncio.run(cluster_id(bootstrap, settings.kafka))
+    except Exception as exc:  # any failure to reach the cluster is one line, not a traceback
+        raise SystemExit(f"cannot reach the Kafka cluster at {bootstrap} ({exc or type(exc).__name__}): "
+                         "check --bootstrap-servers and the MMCACHE_KAFKA_* settings") from None
+
+
+def _start_broker(broker: EmbeddedBroker) -> EmbeddedBroker:
+    try:
+        return broker.start()
+    except (OSError, RuntimeError) as exc:
+        raise SystemExit(f"cannot start the embedded broker on {broker.bootstrap_servers}: "
+                         f"{exc}") from None
+
+
 def _broker(args: argparse.Namespace) -> None:
-    broker = EmbeddedBroker(port=args.port, host=args.host).start()
+    """Run the broker in the foreground; SIGTERM and SIGINT stop it (and the child with
+    it: a child left running would hold the port and the memory)."""
+    broker = _start_broker(EmbeddedBroker(port=args.port, host=args.host))
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     print(f"embedded Kafka-protocol broker listening on {broker.bootstrap_servers}", flush=True)
     try:
-        sys.exit(broker.wait())
-    except KeyboardInterrupt:
+        code = broker.wait()
+    finally:
         broker.stop()
+    raise SystemExit(f"the embedded broker exited with {code}" if code else 0)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _rebuild(args: argparse.Namespace) -> None:
@@ -180,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `mmcache` command."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_repeat_filter()
     args = _parser().parse_args(argv)
     args.run(args)
 

