@@ -348,6 +348,10 @@ class HttpApi:
 
     async def state_summary(self, request: web.Request) -> web.Response:
         """Per-endpoint counts, the capacity and the digest of the whole state."""
+        unknown = sorted(set(request.query) - {"limit"})
+        if unknown:  # a mistyped parameter must not pass as the default
+            raise ApiError(400, "invalid_request", f"unknown query parameter {unknown[0][:64]!r} "
+                                                   "(only 'limit')")
         raw_limit = request.query.get("limit", "100")
         # ASCII digits only ("²" is a digit to str.isdigit but not to int), and short
         # enough for int() (which refuses over 4,300 digits)

@@ -126,3 +126,9 @@ def test_an_unexpected_failure_is_a_json_500_that_reveals_nothing(monkeypatch):
     status, answer = asyncio.run(run())
     assert status == 500 and answer["error"]["code"] == "internal_error"
     assert "secret" not in answer["error"]["message"]
+
+
+def test_an_unknown_state_parameter_is_400_not_ignored():
+    [(status, answer)] = requests([("GET", "/v1/state?limt=5", None)])
+    assert (status, answer["error"]["code"]) == (400, "invalid_request")
+    assert "limt" in answer["error"]["message"]
