@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 REPO = str(Path(stream.__file__).resolve().parent.parent)
 SHUTDOWN_TIMEOUT_S = 3.0
-MARGIN_S = 4.0  # process start-up of the watcher, log flushing, a loaded machine
+MARGIN_S = 4.0
+LOST_BROKER_WINDOW_S = 4.0  # process start-up of the watcher, log flushing, a loaded machine
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -274,6 +275,28 @@ def _sigterm(service: Service) -> tuple[int | None, float, list[str]]:
     with open(service.log_path, "rb") as log:
         log.seek(offset)
         return code, took, log.read().decode(errors="replace").splitlines()
+
+
+def test_a_lost_broker_does_not_flood_the_log_and_sigterm_still_exits_in_time(tmp_path):
+    """Connection refused many times a second (a broker gone, not frozen): each identical
+    error is logged at most once per few seconds, and the stop is bounded."""
+    extra = env(MMCACHE_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_TIMEOUT_S))
+    with EmbeddedBroker(log_file=tmp_path / "broker.log") as broker:
+        service = Service(broker.bootstrap_servers, tmp_path / "data",
+                          f"it-{uuid.uuid4().hex[:10]}", [], extra)
+        service.start()
+        offset = service.log_path.stat().st_size
+        broker.stop()  # gone with its memory: this test needs nothing of it afterwards
+        time.sleep(LOST_BROKER_WINDOW_S)
+        with open(service.log_path, "rb") as log:
+            log.seek(offset)
+            window = log.read().decode(errors="replace").splitlines()
+        code, took, _ = _sigterm(service)
+    repeats = _repeated_problems(window)
+    assert repeats, "the lost broker was not noticed"
+    assert max(repeats.values()) <= 2, repeats.most_common(5)
+    assert len(window) <= 120, f"{len(window)} lines in {LOST_BROKER_WINDOW_S} s"
+    assert code is not None and took <= SHUTDOWN_TIMEOUT_S + MARGIN_S, took
 
 
 def _repeated_problems(lines: list[str]) -> Counter[str]:
