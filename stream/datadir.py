@@ -12,7 +12,8 @@ crashed, and the local files are dropped and restored from the changelog.
 
 mmcache never deletes a file it did not create: a dir holding anything outside this
 layout is refused before anything in it is touched, and only these names are ever
-removed.
+removed. (A top-level ``lost+found``, which mkfs puts on a fresh volume, is tolerated
+and left alone.)
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class DataDir:
             if link:
                 return False
             if is_dir:
+                if name == "lost+found":  # made by mkfs on a fresh volume; never touched
+                    return "file"
                 return "dir" if name == "v1" else False
             return "file" if name in own_files else False
 

@@ -76,6 +76,15 @@ def test_a_symlink_is_not_followed_and_is_refused(tmp_path):
     assert (outside / "precious").read_text() == "mine"
 
 
+def test_a_fresh_volume_with_lost_and_found_is_taken_and_lost_and_found_is_left_alone(tmp_path):
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "lost+found" / "#12").write_text("fsck's")
+    datadir = DataDir(tmp_path)
+    datadir.claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
+    datadir.claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())  # and clearing it
+    assert (tmp_path / "lost+found" / "#12").read_text() == "fsck's"
+
+
 def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "data").write_text("mine")
     with pytest.raises(StateMismatch):
