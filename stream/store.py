@@ -28,6 +28,7 @@ __all__ = [
     "encode_entry",
     "endpoint_records",
     "load_partition",
+    "load_partition_in_slices",
     "read_lrus",
     "entry_key",
     "read_partition",
@@ -180,6 +181,50 @@ def load_partition(state: CacheState, partition: int, records: Iterable[tuple[by
         state.restore_lru(partition, endpoint,
                           [(digest, from_bytes(value[12:16])) for value, digest in pairs])
     state.restore(partition, applied, ())
+
+
+def load_partition_in_slices(state: CacheState, partition: int,
+                             records: Iterable[tuple[bytes, bytes]],
+                             entries_per_slice: int = 4096) -> Iterator[int]:
+    """``load_partition`` that stops after about ``entries_per_slice`` entries and yields
+    how many it restored, so a caller on an event loop can run the loop in between.
+
+    The store iterates in key order, so an endpoint's keys come together and each LRU is
+    restored whole, as soon as its keys end: a step holds at most the slice plus one
+    endpoint's capacity. A RocksDB iterator reads one snapshot, so writes to the file
+    between steps do not change what is loaded; the caller must not apply events of
+    this partition to ``state`` until the last step.
+    """
+    from_bytes = int.from_bytes
+    applied: int | None = None
+    prefix, name, group = b"", "", []
+    hexed, loaded = False, 0
+
+    def restore() -> int:
+        group.sort()
+        state.restore_lru(partition, name, [(d, from_bytes(v[12:16])) for v, d in group])
+        return len(group)
+
+    for key, value in records:
+        if key[:1] != _ENTRY:
+            if key == APPLIED_KEY:
+                applied = decode_applied(value)
+            continue
+        if not group or not key.startswith(prefix):
+            if group:
+                loaded += restore()
+                group = []
+                if loaded >= entries_per_slice:
+                    yield loaded
+                    loaded = 0
+            at, hexed = _split_entry_key(key)
+            prefix, name = key[:at + 1], key[1:at].decode()
+        raw = key[len(prefix):]
+        group.append((value, raw.hex() if hexed else raw.decode()))
+    if group:
+        loaded += restore()
+    state.restore(partition, applied, ())
+    yield loaded
 
 
 def _size_of(value: bytes) -> int:

@@ -246,6 +246,23 @@ class CacheState:
             self._drop(name, Effects())
         self.applied.pop(partition, None)
 
+    def drop_partition_in_slices(self, partition: int, entries_per_slice: int) -> Iterator[int]:
+        """``drop_partition`` in steps of about ``entries_per_slice`` entries (whole
+        endpoints), yielding how many each step released, for a caller on an event loop."""
+        names = [n for n, cache in self.endpoints.items() if cache.partition == partition]
+        released = 0
+        for name in names:
+            cache = self.endpoints.get(name)
+            if cache is None or cache.partition != partition:
+                continue
+            released += len(cache.entries)
+            self._drop(name, Effects())
+            if released >= entries_per_slice:
+                yield released
+                released = 0
+        self.applied.pop(partition, None)
+        yield released
+
     def export(self) -> tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, set[str]],
                               dict[int, int]]:
         """The state as plain dicts, sets and tuples, e.g. to ``marshal`` it to another
