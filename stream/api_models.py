@@ -165,6 +165,11 @@ class StateResponse(_Body):
     total_endpoints: int
     capacity: CapacityBody
     digest: str
+    digest_settled: bool = Field(
+        True,
+        description="false when writes kept changing the state while it was hashed: the "
+        "digest then belongs to no single moment; compare digests at rest",
+    )
 
 
 class ErrorDetail(_Body):

@@ -37,6 +37,7 @@ from stream.config import Limits
 from stream.core.cache import CacheState
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
 from stream.core.items import InvalidField, Item, extract_items, unique_items
+from stream.digest import digest_without_blocking
 from stream.kafka.publisher import EventPublisher, LogUnavailable
 from stream.metrics import Metrics
 from stream.openapi import openapi_document
@@ -357,13 +358,17 @@ class HttpApi:
         # enough for int() (which refuses over 4,300 digits)
         if not (raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) <= 18):
             raise ApiError(400, "invalid_request", "limit: must be a non-negative integer")
+        # hashed in slices between turns of the loop; the rest is read after the last
+        # slice, with no await in between, so it describes the same moment
+        digest = await digest_without_blocking(self.state)
         capacity = self.state.capacity
         return _json(
             {
                 "endpoints": [row._asdict() for row in self.state.summary(int(raw_limit))],
                 "total_endpoints": len(self.state.endpoints),
                 "capacity": {"mode": capacity.mode, "per_endpoint": capacity.per_endpoint},
-                "digest": self.state.digest(),
+                "digest": digest.value,
+                "digest_settled": digest.settled,
             }
         )
 
