@@ -35,7 +35,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     flags = {
         key: getattr(args, key)
         for key in ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic",
-                    "partitions", *_CAPACITY_KEYS)
+                    "partitions", *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
+                    "tls_cert", "tls_key", "produce_timeout_s", "shutdown_timeout_s")
         if getattr(args, key, None) is not None
     }
     if any(key in flags for key in _CAPACITY_KEYS):
@@ -55,7 +56,7 @@ def _serve(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
     from stream.kafka.fetcher import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu_id
-    from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
+    from stream.kafka.topics import ensure_topics
     from stream.preload import LocalPreload
     from stream.rebuild import seed_deployment
     from stream.shutdown import guard_worker
@@ -88,13 +89,13 @@ def _serve(args: argparse.Namespace) -> None:
         if embedded:
             apply_remedies()
         shorten_prefetch_backoff()
-        partitions = loop.run_until_complete(
-            ensure_topic(bootstrap, settings.events_topic, settings.partitions,
-                         EVENTS_TOPIC_CONFIG, settings.replication_factor or 1)
-        )
+        try:
+            partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
+        except ValueError as exc:
+            raise SystemExit(f"configuration error: {exc}") from None
         if datadir.seed.exists():
             loop.run_until_complete(
-                seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic)
+                seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
             )
         worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload)
@@ -184,6 +185,22 @@ def _parser() -> argparse.ArgumentParser:
     capacity.add_argument("--cache-size-mb-per-server", type=int)
     capacity.add_argument("--cache-size-embeddings-per-server", type=int)
     serve.add_argument("--config", help="YAML with the Go plugin's parameter names")
+    serve.add_argument("--auth-token-file", type=Path,
+                       help="bearer tokens, one a line, required by writes and /v1/state "
+                       "(env MMCACHE_AUTH_TOKEN_FILE; default: open)")
+    serve.add_argument("--match-auth-token-file", type=Path,
+                       help="bearer tokens required by /v1/match "
+                       "(env MMCACHE_MATCH_AUTH_TOKEN_FILE; default: open)")
+    serve.add_argument("--tls-cert", type=Path,
+                       help="serve HTTPS with this certificate (env MMCACHE_TLS_CERT)")
+    serve.add_argument("--tls-key", type=Path,
+                       help="private key of --tls-cert (env MMCACHE_TLS_KEY)")
+    serve.add_argument("--produce-timeout-s", type=float,
+                       help="a write not acknowledged within this gets 503 "
+                       "(env MMCACHE_PRODUCE_TIMEOUT_S; default 2)")
+    serve.add_argument("--shutdown-timeout-s", type=float,
+                       help="exit anyway this long after SIGTERM, keeping the local state "
+                       "(env MMCACHE_SHUTDOWN_TIMEOUT_S; default 5)")
     serve.set_defaults(run=_serve)
 
     broker = commands.add_parser("broker", help="run the embedded broker alone")

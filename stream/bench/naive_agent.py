@@ -18,7 +18,7 @@ from pathlib import Path
 import faust
 
 from stream.codec import decode_event
-from stream.config import Settings
+from stream.config import KafkaSecurity, Settings
 from stream.core.events import ItemsPlaced
 from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.store import entry_key
@@ -29,7 +29,7 @@ __all__ = ["main"]
 
 def main(bootstrap: str, topic: str, app_id: str, data_dir: Path, seconds: float, out: Path) -> None:
     """Run the naive agent until it has been measured for ``seconds``."""
-    embedded = asyncio.run(is_tansu(bootstrap))
+    embedded = asyncio.run(is_tansu(bootstrap, KafkaSecurity()))
     if embedded:
         apply_remedies()
     settings = Settings(bootstrap_servers=bootstrap, app_id=app_id, data_dir=data_dir)

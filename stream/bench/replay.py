@@ -13,7 +13,8 @@ from aiokafka.structs import TopicPartition
 from stream.bench.figures import Figure
 from stream.bench.workload import Workload
 from stream.codec import encode_event
-from stream.config import Settings
+from stream.config import KafkaSecurity, Settings
+from stream.kafka.clients import client_options
 from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
 from stream.rebuild import rebuild
 
@@ -22,9 +23,10 @@ __all__ = ["produce_placements", "raw_consume_rate", "replay_figures"]
 
 async def produce_placements(bootstrap: str, topic: str, count: int, partitions: int = 8) -> None:
     """Write ``count`` workload events to a new topic, keyed by endpoint."""
-    await ensure_topic(bootstrap, topic, partitions, EVENTS_TOPIC_CONFIG)
+    security = KafkaSecurity()  # MMCACHE_KAFKA_* of the environment, as serve reads them
+    await ensure_topic(bootstrap, topic, partitions, EVENTS_TOPIC_CONFIG, security=security)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
-                                max_batch_size=512 * 1024)
+                                max_batch_size=512 * 1024, **client_options(security))
     await producer.start()
     try:
         pending = []
@@ -43,7 +45,8 @@ async def raw_consume_rate(bootstrap: str, topic: str) -> float:
     """Records per second a bare aiokafka consumer reads the whole topic at."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
                                 max_partition_fetch_bytes=8 * 1024 * 1024,
-                                fetch_max_bytes=64 * 1024 * 1024)
+                                fetch_max_bytes=64 * 1024 * 1024,
+                                **client_options(KafkaSecurity()))
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]

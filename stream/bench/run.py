@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 
 from stream.bench.figures import Figure
+from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
@@ -97,7 +98,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     broker = None if bootstrap else EmbeddedBroker().start()
     try:
         servers = bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
-        if asyncio.run(is_tansu(servers)):
+        if asyncio.run(is_tansu(servers, KafkaSecurity())):
             apply_remedies()
         for name in names:
             log.info("bench scenario %s%s", name, " (quick)" if quick else "")
