@@ -126,6 +126,12 @@ class DataDir:
             ) from None
         _held[key] = fd
 
+    def unlock(self) -> None:
+        """Give the lock up before this process ends (a tool done with the dir)."""
+        fd = _held.pop(self._key(), None)
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor releases the flock
+
     def foreign(self, limit: int = 3) -> list[str]:
         """Up to ``limit`` entries of the dir that are not mmcache's (relative paths)."""
         found: list[str] = []

@@ -36,7 +36,7 @@ from stream.config import KafkaSecurity, Settings
 from stream.core.cache import CacheState, Capacity, combine_digests
 from stream.datadir import DataDir, StateMismatch
 from stream.kafka.clients import client_options
-from stream.kafka.tansu import apply_remedies, is_tansu
+from stream.kafka.tansu import apply_remedies, cluster_id, is_tansu_id
 from stream.kafka.topics import (
     CHANGELOG_TOPIC_CONFIG,
     changelog_topic,
@@ -280,41 +280,48 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     if datadir.root.exists() and any(datadir.root.iterdir()):
         raise StateMismatch(f"{datadir.root} is not empty: rebuild writes a new data dir")
     bootstrap = settings.bootstrap_servers or ""
-    tansu = asyncio.run(is_tansu(bootstrap))
+    cluster = asyncio.run(cluster_id(bootstrap, settings.kafka))
+    tansu = is_tansu_id(cluster)
     if tansu:
         apply_remedies()
     sizes = asyncio.run(_topic_extent(bootstrap, settings.events_topic, settings.kafka))
     partitions, total = sorted(sizes), sum(sizes.values())
     if not partitions:
         raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
-    datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity))
-    count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
-    groups = balanced_groups(sizes, count)
-    # fork: no threads run here yet, and a forked worker starts in milliseconds
-    context = multiprocessing.get_context("fork")
-    counter = context.Value("q", 0)
-    progress = Progress(total)
-    started = time.monotonic()
-    with ProcessPoolExecutor(count, mp_context=context, initializer=_init_replay_process,
-                             initargs=(counter, logging.getLogger().level)) as pool:
-        futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
-                               settings.capacity, until, datadir.root, tansu, len(partitions),
-                               settings.kafka) for group in groups]
-        while not all(f.done() for f in futures):
-            progress.update(counter.value)
-            time.sleep(0.1)
-        parts = [f.result() for f in futures]
-    progress.update(counter.value, final=True)
-    elapsed = time.monotonic() - started
-    events = sum(p.events for p in parts)
-    skipped: dict[str, int] = {}
-    for part in parts:
-        for reason, n in part.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + n
-    log.info("replayed %d events (%d records skipped, as the live worker skips them: %s) in "
-             "%.2f s with %d processes: %.0f events/s", events, sum(skipped.values()),
-             skipped or "none", elapsed, count, (events + sum(skipped.values())) / max(elapsed, 1e-9))
-    datadir.seed.touch()
+    datadir.root.mkdir(parents=True, exist_ok=True)
+    datadir.lock()  # no serve may start on a dir being rebuilt
+    try:
+        datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
+                      cluster)
+        count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
+        groups = balanced_groups(sizes, count)
+        # fork: no threads run here yet, and a forked worker starts in milliseconds
+        context = multiprocessing.get_context("fork")
+        counter = context.Value("q", 0)
+        progress = Progress(total)
+        started = time.monotonic()
+        with ProcessPoolExecutor(count, mp_context=context, initializer=_init_replay_process,
+                                 initargs=(counter, logging.getLogger().level)) as pool:
+            futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
+                                   settings.capacity, until, datadir.root, tansu, len(partitions),
+                                   settings.kafka) for group in groups]
+            while not all(f.done() for f in futures):
+                progress.update(counter.value)
+                time.sleep(0.1)
+            parts = [f.result() for f in futures]
+        progress.update(counter.value, final=True)
+        elapsed = time.monotonic() - started
+        events = sum(p.events for p in parts)
+        skipped: dict[str, int] = {}
+        for part in parts:
+            for reason, n in part.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        log.info("replayed %d events (%d records skipped, as the live worker skips them: %s) in "
+                 "%.2f s with %d processes: %.0f events/s", events, sum(skipped.values()),
+                 skipped or "none", elapsed, count, (events + sum(skipped.values())) / max(elapsed, 1e-9))
+        datadir.seed.touch()
+    finally:
+        datadir.unlock()
     return combine_digests({k: v for p in parts for k, v in p.endpoint_digests.items()})
 
 
