@@ -26,7 +26,7 @@ class Limits(BaseSettings):
     ``max_total_endpoints`` endpoints, and a placement that would add one more is refused.
     """
 
-    model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True, hide_input_in_errors=True)
 
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1)
     max_endpoints: int = Field(4096, ge=1)
@@ -42,7 +42,7 @@ class KafkaSecurity(BaseSettings):
     (``MMCACHE_KAFKA_SECURITY_PROTOCOL``, ...). The password is a ``SecretStr``: it is
     never logged nor echoed in an error."""
 
-    model_config = SettingsConfigDict(env_prefix="MMCACHE_KAFKA_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="MMCACHE_KAFKA_", frozen=True, hide_input_in_errors=True)
 
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     ssl_cafile: Path | None = None
@@ -66,7 +66,7 @@ class KafkaSecurity(BaseSettings):
 class Settings(BaseSettings):
     """Everything `mmcache serve` needs to run."""
 
-    model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True, hide_input_in_errors=True)
 
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)

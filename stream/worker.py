@@ -36,7 +36,7 @@ from stream.http_api import HttpApi
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetter, DeadLetterWriter
 from stream.kafka.publisher import EventPublisher
-from stream.kafka.topics import DEAD_LETTER_TOPIC_CONFIG, cluster_durability, ensure_topic
+from stream.kafka.topics import ensure_dead_letter_topic
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.store import decode_change, effect_records, load_partition_in_slices, write_effects
@@ -469,10 +469,7 @@ def build_worker(
 
     async def prepare_dead_letters() -> int:
         # normally created at start (ensure_topics); made sure of here before the first letter
-        durability = await cluster_durability(bootstrap_servers, settings)
-        return await ensure_topic(bootstrap_servers, settings.dead_letter_topic, partitions,
-                                  durability.topic_config(DEAD_LETTER_TOPIC_CONFIG),
-                                  durability.replication_factor, settings.kafka)
+        return await ensure_dead_letter_topic(settings, bootstrap_servers)
 
     dead_letters = DeadLetterWriter(settings.dead_letter_topic, mirror._producer,
                                     prepare_dead_letters)
@@ -492,13 +489,13 @@ def build_worker(
 
     # Declared so that Faust subscribes to the event topic and assigns its partitions
     # together with the table's; the batch path above takes all its records, so this body
-    # receives nothing (it is what the batch handler does, one stream event at a time).
+    # receives nothing. Were one to reach it, Faust would acknowledge it even if this body
+    # failed, so it refuses instead of applying it.
     @app.agent(topic, name="apply-events")
     async def apply_events(stream: faust.StreamT[bytes]) -> None:
         async for event in stream.events():
-            message = event.message
-            keeper.apply_record(message.partition, message.offset, message.value, message.key)
-            await flush()
+            raise RuntimeError(f"event at partition {event.message.partition} offset "
+                               f"{event.message.offset} reached the agent, not the batch path")
 
     changelog = table.changelog_topic.get_topic_name()
 

@@ -6,6 +6,11 @@ and ``mmcache.source.offset`` (decimal ASCII). It goes to the dead-letter partit
 the same number as its source partition (modulo the topic's count), so the letters of
 one source partition stay in offset order.
 
+A record too large to copy whole (over ``MAX_COPIED_BYTES``, under the producer's and
+Kafka's default request limit of ~1 MB with room for headers) is copied without its
+value and with ``mmcache.truncated`` set to the value's length: a copy the broker
+refuses would stop its partition for good, redelivered and refused again.
+
 ``flush`` returns only once the broker acknowledged every letter, and the caller calls
 it before the records' effects (their applied offsets) are written: a record whose
 offset is acknowledged has its dead letter on the log.
@@ -17,7 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeadLetter", "DeadLetterWriter"]
+__all__ = ["MAX_COPIED_BYTES", "DeadLetter", "DeadLetterWriter"]
+
+MAX_COPIED_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +39,23 @@ class DeadLetter:
 
     def headers(self) -> list[tuple[str, bytes]]:
         """The record headers of its copy."""
-        return [
+        headers = [
             ("mmcache.reason", self.reason.encode()),
             ("mmcache.source.partition", str(self.partition).encode()),
             ("mmcache.source.offset", str(self.offset).encode()),
         ]
+        if self.truncated:
+            headers.append(("mmcache.truncated", str(len(self.value or b"")).encode()))
+        return headers
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the copy goes without the value (too large to copy)."""
+        return len(self.value or b"") + len(self.key or b"") > MAX_COPIED_BYTES
+
+    def copied_value(self) -> bytes | None:
+        """The value its copy carries."""
+        return None if self.truncated else self.value
 
 
 class DeadLetterWriter:
@@ -68,7 +87,7 @@ class DeadLetterWriter:
             self._partitions = await self._prepare()
         producer = self._producer()
         acks = [
-            await producer.send(self.topic, letter.value, key=letter.key,
+            await producer.send(self.topic, letter.copied_value(), key=letter.key,
                                 partition=letter.partition % self._partitions,
                                 headers=letter.headers())
             for letter in pending

@@ -37,6 +37,7 @@ __all__ = [
     "changelog_topic",
     "choose_durability",
     "cluster_durability",
+    "ensure_dead_letter_topic",
     "ensure_topic",
     "ensure_topics",
 ]
@@ -127,6 +128,11 @@ async def _create(admin: AIOKafkaAdminClient, name: str, partitions: int, config
                  name, partitions, replication_factor)
     except TopicAlreadyExistsError:
         pass
+    return await _partitions(admin, name, partitions)
+
+
+async def _partitions(admin: AIOKafkaAdminClient, name: str, partitions: int) -> int:
+    """The topic's partition count; a warning when it is not the configured one."""
     described = await admin.describe_topics([name])
     actual = len(described[0]["partitions"])
     if actual != partitions:
@@ -149,17 +155,37 @@ async def ensure_topic(
 
 
 async def ensure_topics(settings: Settings, bootstrap_servers: str) -> int:
-    """Create the event, changelog and dead-letter topics that are missing, replicated
-    as ``choose_durability`` says for this cluster; return the event topic's partitions
-    (the changelog and the dead-letter topic get as many)."""
+    """Create the event, changelog and dead-letter topics that are missing; return the
+    event topic's partitions (the other two are created with as many)."""
+    return (await _ensure_app_topics(settings, bootstrap_servers))[settings.events_topic]
+
+
+async def ensure_dead_letter_topic(settings: Settings, bootstrap_servers: str) -> int:
+    """``ensure_topics``, returning the dead-letter topic's partitions."""
+    return (await _ensure_app_topics(settings, bootstrap_servers))[settings.dead_letter_topic]
+
+
+async def _ensure_app_topics(settings: Settings, bootstrap_servers: str) -> dict[str, int]:
+    """Partitions of each of the app's topics, creating the missing ones replicated as
+    ``choose_durability`` says. The brokers are counted only when a topic is missing:
+    the cluster lists only the brokers that are up, so with one down a count would
+    refuse a replication factor the topics already have, or pick 1 for the defaults."""
     async with _admin(bootstrap_servers, settings.kafka) as admin:
-        durability = choose_durability(await _brokers(admin), settings.replication_factor,
-                                       settings.min_insync_replicas)
-        rf = durability.replication_factor
-        partitions = await _create(admin, settings.events_topic, settings.partitions,
-                                   durability.topic_config(EVENTS_TOPIC_CONFIG), rf)
-        await _create(admin, changelog_topic(settings.app_id), partitions,
-                      durability.topic_config(CHANGELOG_TOPIC_CONFIG), rf)
-        await _create(admin, settings.dead_letter_topic, partitions,
-                      durability.topic_config(DEAD_LETTER_TOPIC_CONFIG), rf)
-    return partitions
+        existing = set(await admin.list_topics())
+        names = [settings.events_topic, changelog_topic(settings.app_id), settings.dead_letter_topic]
+        configs = [EVENTS_TOPIC_CONFIG, CHANGELOG_TOPIC_CONFIG, DEAD_LETTER_TOPIC_CONFIG]
+        durability = None
+        if not existing.issuperset(names):
+            durability = choose_durability(await _brokers(admin), settings.replication_factor,
+                                           settings.min_insync_replicas)
+        counts: dict[str, int] = {}
+        partitions = settings.partitions
+        for name, config in zip(names, configs, strict=True):
+            if name in existing or durability is None:
+                counts[name] = await _partitions(admin, name, partitions)
+            else:
+                counts[name] = await _create(admin, name, partitions,
+                                             durability.topic_config(config),
+                                             durability.replication_factor)
+            partitions = counts[settings.events_topic]
+    return counts
