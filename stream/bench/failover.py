@@ -186,11 +186,12 @@ def found_on(port: int, acked: list[tuple[str, str]]) -> int:
     return found
 
 
-def rebuild_digest(bootstrap: str, topic: str, data_dir: Path) -> str:
-    """The digest ``mmcache rebuild`` prints for the whole topic, under a fresh app id."""
+def rebuild_digest(bootstrap: str, topic: str, data_dir: Path, app_id: str | None = None) -> str:
+    """The digest ``mmcache rebuild`` prints for the whole topic, under a fresh app id
+    (or ``app_id``: then the dir seeds that app's first worker)."""
     done = subprocess.run(
         [sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers", bootstrap,
-         "--app-id", f"replay-{uuid.uuid4().hex[:10]}", "--topic", topic,
+         "--app-id", app_id or f"replay-{uuid.uuid4().hex[:10]}", "--topic", topic,
          "--data-dir", str(data_dir)],
         capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -1,0 +1,31 @@
+"""Failover between two real workers of one app id: ``kill -9`` of one under steady
+placement and match traffic (the trial of ``stream.bench.failover``; times are that
+benchmark's business, this test asserts the counts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stream.bench.failover import takeover_trial
+
+pytestmark = pytest.mark.integration
+
+
+def test_kill_9_of_one_of_two_workers_loses_nothing_and_the_survivor_equals_the_replay(
+        bootstrap: str, tmp_path: Path) -> None:
+    trial = takeover_trial(bootstrap, tmp_path, steady_s=2.0, after_kill_s=0.5)
+
+    assert trial.victim_exit == -9
+    # every placement that got its 202, through either worker, before or after the kill,
+    # is on its endpoint in the survivor's view
+    assert trial.placements_acked > 100
+    assert trial.placements_found == trial.placements_acked
+    # the survivor answered every match, during the takeover too
+    assert trial.matches_sent > 100
+    assert trial.match_errors == []
+    assert trial.matches_ok == trial.matches_sent
+    # and its whole state is what an offline replay of the log gives
+    assert trial.takeover_s is not None
+    assert trial.live_digest == trial.replay_digest
