@@ -1,69 +1,213 @@
-"""`mmcache` command line: serve, broker, rebuild, state digest (CONTRACT, "Command line")."""
+"""mmcache: a shared, durable, replayable encoder-cache affinity index for multimodal
+LLM inference gateways.
+
+Commands: `serve` runs a worker with its HTTP API, `broker` runs the embedded
+Kafka-protocol broker alone, `rebuild` replays the event log into a new data dir,
+`state digest` prints the digest of a stopped worker's state, `bench` runs the
+benchmarks. `mmcache COMMAND --help` lists every flag with its default and its
+environment variable; docs/cli.md in the repository says more.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
+import sys
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from stream.config import Settings, load_plugin_config
+from stream.config import (
+    ConfigError,
+    KafkaSecurity,
+    Limits,
+    PluginConfig,
+    Settings,
+    describe_validation_error,
+    load_plugin_config,
+)
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import install_repeat_filter
 
-__all__ = ["main"]
+__all__ = ["effective_configuration", "main"]
 
 log = logging.getLogger("mmcache")
 
 _CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server")
+_SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
+                *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file", "tls_cert", "tls_key",
+                "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "log_level")
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Libraries whose INFO lines (group joins, partition tables, every service starting)
+# are noise for an operator; they speak at WARNING unless --log-level debug.
+_CHATTY = ("faust", "mode", "aiokafka", "kafka", "rocksdict", "venusian")
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+class Resolved(NamedTuple):
+    """Settings and where the capacity came from (for the effective-configuration line)."""
+
+    settings: Settings
+    capacity_source: str
+    plugin: PluginConfig | None
+
+
+def _config_path(args: argparse.Namespace) -> Path | None:
+    value = getattr(args, "config", None) or os.environ.get("MMCACHE_CONFIG")
+    return Path(value) if value else None
+
+
+def _settings(args: argparse.Namespace) -> Resolved:
     """Flags win over MMCACHE_* variables, which win over the --config file."""
     values: dict[str, Any] = {}
-    if args.config:
-        values = {
-            key: value
-            for key, value in load_plugin_config(Path(args.config)).items()
-            if f"MMCACHE_{key.upper()}" not in os.environ
-        }
-    flags = {
-        key: getattr(args, key)
-        for key in ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic",
-                    "partitions", *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
-                    "tls_cert", "tls_key", "produce_timeout_s", "shutdown_timeout_s")
-        if getattr(args, key, None) is not None
-    }
+    plugin = None
+    config = _config_path(args)
+    if config is not None:
+        try:
+            plugin = load_plugin_config(config)
+        except ConfigError as exc:
+            raise SystemExit(f"configuration error: {exc}") from None
+        values = {key: value for key, value in plugin.values.items()
+                  if f"MMCACHE_{key.upper()}" not in os.environ}
+    flags = {key: getattr(args, key) for key in _SERVE_FLAGS if getattr(args, key, None) is not None}
+    source = "default"
     if any(key in flags for key in _CAPACITY_KEYS):
         for key in _CAPACITY_KEYS:
             values.pop(key, None)
+        source = "flag --" + next(k for k in _CAPACITY_KEYS if k in flags).replace("_", "-")
+    elif any(f"MMCACHE_{key.upper()}" in os.environ for key in _CAPACITY_KEYS):
+        for key in _CAPACITY_KEYS:
+            values.pop(key, None)
+        source = "environment " + next(f"MMCACHE_{k.upper()}" for k in _CAPACITY_KEYS
+                                       if f"MMCACHE_{k.upper()}" in os.environ)
+    elif plugin is not None and values:
+        source = f"--config {plugin.source}"
     try:
-        return Settings(**{**values, **flags})
+        return Resolved(Settings(**{**values, **flags}), source, plugin)
     except ValidationError as exc:
+        raise SystemExit(f"configuration error: {describe_validation_error(exc)}") from None
+    except ValueError as exc:  # raised by a validator outside pydantic's wrapping
         raise SystemExit(f"configuration error: {exc}") from None
+
+
+def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
+                            partitions: int, changelog: str) -> str:
+    """The one line `serve` logs at start: everything it runs with, secrets masked
+    (a SASL password and the tokens are never written, only whether they are set)."""
+    settings = resolved.settings
+    capacity = settings.capacity
+    if capacity.mode == "items":
+        mb = settings.cache_size_mb_per_server
+        derived = (f"items mode, {capacity.per_endpoint} entries per endpoint "
+                   f"(cacheSizeInMBPerServer {mb if mb and mb > 0 else 2048} MiB / 2 MiB an item")
+        derived += ")"
+    else:
+        derived = (f"size mode, item sizes summing to at most {capacity.per_endpoint} per endpoint "
+                   "(cacheSizeInEmbeddingsPerServer)")
+    kafka = settings.kafka
+    security = kafka.security_protocol
+    if kafka.sasl_mechanism:
+        security += (f" (SASL {kafka.sasl_mechanism}, user {kafka.sasl_username}, password "
+                     f"{'****' if kafka.sasl_password is not None else 'not set'})")
+    if kafka.ssl_cafile:
+        security += f", CA file {kafka.ssl_cafile}"
+    limits = settings.limits
+    scheme = "https" if settings.tls_cert else "http"
+    parts = [
+        f"app id {settings.app_id}",
+        f"topics {settings.events_topic} ({partitions} partitions), {changelog}, "
+        f"{settings.dead_letter_topic}",
+        f"capacity {derived} from {resolved.capacity_source}",
+        ("broker embedded on " + bootstrap + " (memory only, for development)") if embedded
+        else f"broker {bootstrap}",
+        f"kafka security {security}",
+        f"data dir {settings.data_dir.resolve()}",
+        f"HTTP {scheme}://{settings.host}:{settings.port}",
+        "auth for writes and /v1/state " + (f"on (tokens from {settings.auth_token_file})"
+                                            if settings.auth_token_file else "off"),
+        "auth for /v1/match " + (f"on (tokens from {settings.match_auth_token_file})"
+                                 if settings.match_auth_token_file else "off"),
+        f"produce timeout {settings.produce_timeout_s:g} s",
+        f"shutdown timeout {settings.shutdown_timeout_s:g} s",
+        "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
+        f"limits body {limits.max_body_bytes} bytes, {limits.max_endpoints} endpoints, "
+        f"{limits.max_placement_endpoints} per placement, {limits.max_total_endpoints} in the view, "
+        f"{limits.max_items} items, {limits.max_endpoint_chars} chars a name, "
+        f"{limits.max_hash_chars} a hash",
+        f"log level {settings.log_level}",
+    ]
+    if resolved.plugin is not None:
+        parts.append(f"--config {resolved.plugin.describe()}")
+    return "effective configuration: " + "; ".join(parts)
+
+
+def _refuse_taken_port(host: str, port: int) -> None:
+    """Fail before anything starts when the HTTP port cannot be bound (aiohttp would
+    fail only after the broker, the topics and Faust were started)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise SystemExit(f"--port {port}: the port is in use on {host}: stop the process that "
+                                 "holds it, or choose another --port") from None
+            raise SystemExit(f"--host {host} --port {port}: cannot listen there ({exc.strerror}): "
+                             "check --host and --port") from None
+
+
+def _refuse_file_as_data_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"--data-dir {path} is a file, not a directory: give a directory "
+                         "(a missing one is created)")
+
+
+def _logging_config(level: str) -> dict[str, Any]:
+    """Faust resets logging when its worker starts; this is what it sets up instead: our
+    format on stderr, the libraries at WARNING unless ``level`` is debug."""
+    quiet = "DEBUG" if level == "debug" else "WARNING"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": _FORMAT}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain",
+                                "stream": "ext://sys.stderr"}},
+        "root": {"level": level.upper(), "handlers": ["stderr"]},
+        "loggers": {name: {"level": quiet} for name in _CHATTY},
+    }
 
 
 def _serve(args: argparse.Namespace) -> None:
     """Run a worker until SIGINT/SIGTERM, in this order: refuse a data dir that is not
-    ours, find the cluster (start the embedded broker, or ask the given one for its id),
-    claim the dir (lock, cluster check), start reading the local state, run Faust with
-    a bound on its shutdown."""
+    ours and a port that is taken, find the cluster (start the embedded broker, or ask
+    the given one for its id), claim the dir (lock, cluster check), start reading the
+    local state, log the effective configuration, run Faust with a bound on its shutdown."""
     from stream.datadir import DataDir
     from stream.kafka.fetcher import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu_id
-    from stream.kafka.topics import ensure_topics
+    from stream.kafka.topics import changelog_topic, ensure_topics
     from stream.preload import LocalPreload
     from stream.rebuild import seed_deployment
     from stream.shutdown import guard_worker
 
-    settings = _settings(args)
+    resolved = _settings(args)
+    settings = resolved.settings
+    _apply_log_level(settings.log_level)
+    if resolved.plugin is not None:
+        log.info("--config %s", resolved.plugin.describe())
+    _refuse_file_as_data_dir(settings.data_dir)
     datadir = DataDir(settings.data_dir)
     datadir.refuse_foreign()  # before a broker is started for nothing (claim checks again)
+    _refuse_taken_port(settings.host, settings.port)
     broker = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
@@ -93,12 +237,15 @@ def _serve(args: argparse.Namespace) -> None:
             partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
         except ValueError as exc:
             raise SystemExit(f"configuration error: {exc}") from None
+        log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
+                                               changelog_topic(settings.app_id)))
         if datadir.seed.exists():
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
             )
         worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload)
+        worker.logging_config = _logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
         # only once the changelog holds their records, so they are never ahead of it.
         guard_worker(worker, settings.shutdown_timeout_s, [datadir.release])
@@ -114,14 +261,21 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _cluster_id(bootstrap: str, settings: Settings) -> str:
     """The cluster's id, asked on a loop of its own that is closed with its resolver
-    threads (the local state's readers are forked afterwards)."""
+    threads (the local state's readers are forked afterwards). aiokafka's own error
+    lines are held back: the one line below says it all."""
     from stream.kafka.tansu import cluster_id
 
+    client_log = logging.getLogger("aiokafka")
+    level = client_log.level
+    if not log.isEnabledFor(logging.DEBUG):
+        client_log.setLevel(logging.CRITICAL)
     try:
         return asyncio.run(cluster_id(bootstrap, settings.kafka))
     except Exception as exc:  # any failure to reach the cluster is one line, not a traceback
         raise SystemExit(f"cannot reach the Kafka cluster at {bootstrap} ({exc or type(exc).__name__}): "
                          "check --bootstrap-servers and the MMCACHE_KAFKA_* settings") from None
+    finally:
+        client_log.setLevel(level)
 
 
 def _start_broker(broker: EmbeddedBroker) -> EmbeddedBroker:
@@ -150,98 +304,254 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _rebuild(args: argparse.Namespace) -> None:
-    from stream.rebuild import Until, rebuild
+def _until(text: str | None) -> Any:
+    from stream.rebuild import Until
 
-    settings = _settings(args)
-    print(rebuild(settings, Until.parse(args.until), args.workers))
+    try:
+        return Until.parse(text)
+    except ValueError:
+        raise SystemExit(f"--until {text!r}: give an offset (a non-negative integer, applied to every "
+                         "partition) or an ISO-8601 time such as 2025-01-31T12:00:00Z") from None
+
+
+async def _topic_names(bootstrap: str, security: KafkaSecurity) -> set[str]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from stream.kafka.clients import client_options
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **client_options(security))
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+def _rebuild(args: argparse.Namespace) -> None:
+    from stream.rebuild import rebuild
+
+    until = _until(args.until)
+    settings = _settings(args).settings
+    _refuse_file_as_data_dir(settings.data_dir)
+    bootstrap = settings.bootstrap_servers or ""
+    _cluster_id(bootstrap, settings)
+    topics = asyncio.run(_topic_names(bootstrap, settings.kafka))
+    if settings.events_topic not in topics:
+        ours = sorted(name for name in topics if name.endswith("-events"))
+        raise SystemExit(f"topic {settings.events_topic} does not exist on {bootstrap}: check --topic "
+                         f"and --app-id (event topics there: {', '.join(ours) or 'none'})")
+    print(rebuild(settings, until, args.workers))
 
 
 def _state_digest(args: argparse.Namespace) -> None:
     from stream.datadir import DataDir
 
+    if not args.data_dir.is_dir():
+        raise SystemExit(f"--data-dir {args.data_dir}: no such directory")
     print(DataDir(args.data_dir).load_state().digest())
 
 
 def _bench(args: argparse.Namespace) -> None:
     from stream.bench.run import run
 
-    run(args.out, quick=args.quick, only=args.only, bootstrap=args.bootstrap_servers)
+    out = args.out or Path("bench/quick.json" if args.quick else "bench/results.json")
+    run(out, quick=args.quick, only=args.only, bootstrap=args.bootstrap_servers)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("mmcache")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _default(model: type[Any], name: str) -> Any:
+    return model.model_fields[name].default
+
+
+def _flag(parser: argparse.ArgumentParser | Any, name: str, text: str, *, env: bool = True,
+          default: Any = None, model: type[Any] = Settings, **kwargs: Any) -> None:
+    """A flag whose help ends with its default and its environment variable."""
+    field = name.lstrip("-").replace("-", "_")
+    if default is None and field in model.model_fields:
+        default = _default(model, field)
+    notes = []
+    if default is not None:
+        notes.append(f"default: {default}")
+    if env:
+        notes.append(f"env MMCACHE_{field.upper()}")
+    parser.add_argument(name, help=f"{text} ({'; '.join(notes)})" if notes else text, **kwargs)
+
+
+def _environment_only() -> str:
+    """The settings that are environment variables only, with their defaults."""
+    lines = ["settings from the environment only:"]
+    for field, info in Limits.model_fields.items():
+        lines.append(f"  MMCACHE_{field.upper()} (default {info.default})")
+    for name in ("replication_factor", "min_insync_replicas"):
+        lines.append(f"  MMCACHE_{name.upper()} (default: 3 and 2 on 3 or more brokers, else 1 and 1)")
+    lines.append(f"  MMCACHE_MAX_WRITES_IN_FLIGHT (default {_default(Settings, 'max_writes_in_flight')})")
+    for field, info in KafkaSecurity.model_fields.items():
+        lines.append(f"  MMCACHE_KAFKA_{field.upper()} (default {info.default or 'unset'})")
+    lines.append("Flags win over the environment, which wins over --config.")
+    return "\n".join(lines)
+
+
+def _add_capacity(parser: argparse.ArgumentParser) -> None:
+    capacity = parser.add_mutually_exclusive_group()
+    _flag(capacity, "--cache-size-mb-per-server", "per-endpoint LRU budget in MiB, 2 MiB an item "
+          "(the plugin's cacheSizeInMBPerServer; <= 0 means the default)", default="2048 -> 1024 "
+          "entries", type=int, metavar="N")
+    _flag(capacity, "--cache-size-embeddings-per-server", "size mode instead: the sum of item sizes "
+          "an endpoint holds (the plugin's cacheSizeInEmbeddingsPerServer)", default="off",
+          type=int, metavar="N")
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--config", "YAML with the Go plugin's parameters: at top level, under "
+          "parameters:, or a whole gateway configuration whose plugins: list has an entry of type "
+          "mm-embeddings-cache-producer (the rest is ignored)", default="none", metavar="FILE")
+
+
+def _add_debug(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        default=False if top else argparse.SUPPRESS,
+                        help="show the traceback of an unexpected failure (env MMCACHE_DEBUG=1)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmcache", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="mmcache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mmcache {_version()}")
+    _add_debug(parser, top=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run a worker with its HTTP API")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--app-id")
-    serve.add_argument("--data-dir", type=Path)
-    serve.add_argument("--bootstrap-servers")
-    serve.add_argument("--topic")
-    serve.add_argument("--partitions", type=int)
-    capacity = serve.add_mutually_exclusive_group()
-    capacity.add_argument("--cache-size-mb-per-server", type=int)
-    capacity.add_argument("--cache-size-embeddings-per-server", type=int)
-    serve.add_argument("--config", help="YAML with the Go plugin's parameter names")
-    serve.add_argument("--auth-token-file", type=Path,
-                       help="bearer tokens, one a line, required by writes and /v1/state "
-                       "(env MMCACHE_AUTH_TOKEN_FILE; default: open)")
-    serve.add_argument("--match-auth-token-file", type=Path,
-                       help="bearer tokens required by /v1/match "
-                       "(env MMCACHE_MATCH_AUTH_TOKEN_FILE; default: open)")
-    serve.add_argument("--tls-cert", type=Path,
-                       help="serve HTTPS with this certificate (env MMCACHE_TLS_CERT)")
-    serve.add_argument("--tls-key", type=Path,
-                       help="private key of --tls-cert (env MMCACHE_TLS_KEY)")
-    serve.add_argument("--produce-timeout-s", type=float,
-                       help="a write not acknowledged within this gets 503 "
-                       "(env MMCACHE_PRODUCE_TIMEOUT_S; default 2)")
-    serve.add_argument("--shutdown-timeout-s", type=float,
-                       help="exit anyway this long after SIGTERM, keeping the local state "
-                       "(env MMCACHE_SHUTDOWN_TIMEOUT_S; default 5)")
+    serve = commands.add_parser(
+        "serve", help="run a worker with its HTTP API", epilog=_environment_only(),
+        description="Run a worker (Faust consumer of the event topic, RocksDB state, HTTP API) in "
+        "the foreground until SIGINT or SIGTERM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _flag(serve, "--host", "address the HTTP API listens on")
+    _flag(serve, "--port", "HTTP port", type=int)
+    _flag(serve, "--app-id", "workers with the same app id on the same cluster share the work and "
+          "one view; names the topics")
+    _flag(serve, "--data-dir", "where the local state lives", type=Path, metavar="DIR")
+    _flag(serve, "--bootstrap-servers", "Kafka cluster to use", default="none: start an embedded "
+          "broker in memory, for development", metavar="HOST:PORT")
+    _flag(serve, "--topic", "event topic", default="<app-id>-events", metavar="NAME")
+    _flag(serve, "--partitions", "partitions of the event topic when mmcache creates it", type=int)
+    _add_capacity(serve)
+    _add_config(serve)
+    _flag(serve, "--auth-token-file", "bearer tokens, one a line, required by writes and /v1/state",
+          type=Path, default="open", metavar="FILE")
+    _flag(serve, "--match-auth-token-file", "bearer tokens required by /v1/match", type=Path,
+          default="open", metavar="FILE")
+    _flag(serve, "--tls-cert", "serve HTTPS with this certificate (with --tls-key)", type=Path,
+          default="plain HTTP", metavar="FILE")
+    _flag(serve, "--tls-key", "private key of --tls-cert", type=Path, default="none", metavar="FILE")
+    _flag(serve, "--produce-timeout-s", "a write not acknowledged within this many seconds gets 503",
+          type=float, metavar="S")
+    _flag(serve, "--shutdown-timeout-s", "exit anyway this long after SIGTERM, keeping the local "
+          "state (exit code 3)", type=float, metavar="S")
+    _flag(serve, "--max-lag-events", "/readyz answers 503 while the view lags the log by more "
+          "than N events", type=int, default="off", metavar="N")
+    _flag(serve, "--log-level", "debug shows the libraries' own lines too",
+          choices=["debug", "info", "warning", "error"])
+    _add_debug(serve)
     serve.set_defaults(run=_serve)
 
-    broker = commands.add_parser("broker", help="run the embedded broker alone")
-    broker.add_argument("--port", type=int, default=9092)
-    broker.add_argument("--host", default="127.0.0.1")
+    broker = commands.add_parser("broker", help="run the embedded broker alone",
+                                 description="Run the embedded Kafka-protocol broker (memory only) "
+                                 "in the foreground, for several serve processes or tools.")
+    broker.add_argument("--port", type=int, default=9092, help="port to listen on (default: 9092)")
+    broker.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    _add_debug(broker)
     broker.set_defaults(run=_broker)
 
-    rebuild = commands.add_parser("rebuild", help="rebuild the state by replaying the log")
-    rebuild.add_argument("--bootstrap-servers", required=True)
-    rebuild.add_argument("--data-dir", type=Path, required=True)
-    rebuild.add_argument("--app-id")
-    rebuild.add_argument("--topic")
-    rebuild.add_argument("--config")
-    capacity = rebuild.add_mutually_exclusive_group()
-    capacity.add_argument("--cache-size-mb-per-server", type=int)
-    capacity.add_argument("--cache-size-embeddings-per-server", type=int)
-    rebuild.add_argument("--until", help="replay only up to this offset (in every partition) "
-                         "or this ISO-8601 time (record timestamps)")
-    rebuild.add_argument("--workers", type=int, help="replay processes (default: one per core)")
+    rebuild = commands.add_parser(
+        "rebuild", help="rebuild the state by replaying the log",
+        description="Replay the event topic from its start into a new data dir, then print the "
+        "state digest (equal to the live service's for the same events).")
+    _flag(rebuild, "--bootstrap-servers", "Kafka cluster holding the event topic",
+          required="MMCACHE_BOOTSTRAP_SERVERS" not in os.environ, default="required",
+          metavar="HOST:PORT")
+    _flag(rebuild, "--data-dir", "the new (missing or empty) data dir to write", type=Path,
+          required="MMCACHE_DATA_DIR" not in os.environ, default="required", metavar="DIR")
+    _flag(rebuild, "--app-id", "app id of the live service")
+    _flag(rebuild, "--topic", "event topic", default="<app-id>-events", metavar="NAME")
+    _add_config(rebuild)
+    _add_capacity(rebuild)
+    rebuild.add_argument("--until", metavar="OFFSET|TIME",
+                         help="replay only up to this offset (in every partition) or this ISO-8601 "
+                         "time (record timestamps) (default: the end)")
+    rebuild.add_argument("--workers", type=int, metavar="N",
+                         help="replay processes (default: one per core)")
+    _add_debug(rebuild)
     rebuild.set_defaults(run=_rebuild)
 
     state = commands.add_parser("state", help="inspect a stopped worker's state")
-    state_commands = state.add_subparsers(dest="state_command", required=True)
-    digest = state_commands.add_parser("digest", help="print the state digest of a data dir")
-    digest.add_argument("--data-dir", type=Path, required=True)
+    state_commands = state.add_subparsers(dest="state_command", required=True, metavar="COMMAND")
+    digest = state_commands.add_parser("digest", help="print the state digest of a data dir",
+                                       description="Print the state digest of a stopped worker's "
+                                       "data dir (as GET /v1/state reports it).")
+    digest.add_argument("--data-dir", type=Path, required=True, metavar="DIR",
+                        help="the data dir (required)")
+    _add_debug(digest)
     digest.set_defaults(run=_state_digest)
-    bench = commands.add_parser("bench", help="run the benchmark suite")
-    bench.add_argument("--quick", action="store_true", help="reduced sizes, under 90 s")
-    bench.add_argument("--only", action="append", help="run only this scenario (repeatable)")
-    bench.add_argument("--out", type=Path, default=Path("bench/results.json"))
-    bench.add_argument("--bootstrap-servers", help="use this cluster instead of an embedded broker")
+
+    from stream.bench.run import SCENARIOS
+
+    bench = commands.add_parser("bench", help="run the benchmark suite",
+                                description="Run the benchmarks on an embedded broker; write JSON "
+                                "and a Markdown table.")
+    bench.add_argument("--quick", action="store_true",
+                       help="reduced sizes, under 90 s; written to bench/quick.json unless --out")
+    bench.add_argument("--only", action="append", choices=list(SCENARIOS), metavar="SCENARIO",
+                       help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
+    bench.add_argument("--out", type=Path, default=None, metavar="FILE",
+                       help="JSON results (default: bench/results.json, bench/quick.json with "
+                       "--quick); the table goes beside it as .md")
+    bench.add_argument("--bootstrap-servers", metavar="HOST:PORT",
+                       help="use this cluster instead of an embedded broker (default: embedded)")
+    _add_debug(bench)
     bench.set_defaults(run=_bench)
+    # Commands added by other modules register here (add their subparsers to `commands`).
     return parser
 
 
+def _apply_log_level(level: str) -> None:
+    logging.getLogger().setLevel(level.upper())
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
+def _debug_wanted(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("MMCACHE_DEBUG", "") not in (
+        "", "0", "false", "no")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the `mmcache` command."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Entry point of the `mmcache` command: any failure is one line on stderr and a
+    non-zero exit; ``--debug`` (or MMCACHE_DEBUG=1) shows the traceback instead."""
+    logging.basicConfig(level=logging.INFO, format=_FORMAT)
     install_repeat_filter()
     args = _parser().parse_args(argv)
-    args.run(args)
+    _apply_log_level("info")
+    debug = _debug_wanted(args)
+    try:
+        args.run(args)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BaseException as exc:  # CancelledError is a BaseException too
+        if debug:
+            raise
+        what = str(exc).splitlines()[0] if str(exc) else ""
+        name = " ".join(filter(None, [args.command, getattr(args, "state_command", None)]))
+        print(f"mmcache {name}: {type(exc).__name__}{': ' + what if what else ''} "
+              "(run again with --debug for the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

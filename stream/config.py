@@ -4,16 +4,29 @@ the YAML ``--config`` file (Go plugin parameter names), which wins over defaults
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stream.core.cache import Capacity
 
-__all__ = ["KafkaSecurity", "Limits", "Settings", "load_plugin_config"]
+__all__ = [
+    "FLAGS",
+    "PLUGIN_TYPE",
+    "ConfigError",
+    "KafkaSecurity",
+    "Limits",
+    "PluginConfig",
+    "Settings",
+    "describe_validation_error",
+    "load_plugin_config",
+    "read_yaml",
+    "setting_names",
+]
 
 
 class Limits(BaseSettings):
@@ -83,13 +96,22 @@ class Settings(BaseSettings):
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
     shutdown_timeout_s: float = Field(5.0, gt=0)
+    # None: /readyz stays 200 however far the view lags once it was ready (CONTRACT)
+    max_lag_events: int | None = Field(None, ge=0)
+    # /readyz answers 503 while the view lags the log by more than this (None: never)
+    max_lag_events: int | None = Field(None, ge=0)
     auth_token_file: Path | None = None
     match_auth_token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_capacity_mode(self) -> Settings:
@@ -120,19 +142,178 @@ class Settings(BaseSettings):
         return f"{self.app_id}-dead-letters"
 
 
+PLUGIN_TYPE = "mm-embeddings-cache-producer"
+
 _PLUGIN_KEYS = {
     "cacheSizeInMBPerServer": "cache_size_mb_per_server",
     "cacheSizeInEmbeddingsPerServer": "cache_size_embeddings_per_server",
 }
 
+# Where each setting comes from on the command line and in the environment, for help
+# texts and for errors that name the thing to change.
+_MODEL_ENV = {"Settings": "MMCACHE_", "Limits": "MMCACHE_", "KafkaSecurity": "MMCACHE_KAFKA_"}
 
-def load_plugin_config(path: Path) -> dict[str, Any]:
-    """Read the Go plugin's YAML parameters (top level or under ``parameters:``)."""
-    raw = yaml.safe_load(path.read_text()) or {}
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is one line naming the setting
+    and what to do."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What ``--config`` gave: settings values (``Settings`` names), where in the file
+    they were found, and what of the file was not read."""
+
+    values: dict[str, Any]
+    source: str
+    ignored: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line for the log: what was taken from where, and what was ignored."""
+        taken = ", ".join(f"{_GO_NAME[key]}={value}" for key, value in self.values.items())
+        text = f"took {taken or 'no parameters (defaults)'} from {self.source}"
+        if self.ignored:
+            text += f"; ignored {', '.join(self.ignored)}"
+        return text
+
+
+_GO_NAME = {value: key for key, value in _PLUGIN_KEYS.items()}
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document of ``path``; a missing, unreadable or broken file raises
+    ``ConfigError`` naming it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file (check the path or MMCACHE_CONFIG)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({type(exc).__name__}: "
+                          f"{getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"--config {path}: not valid YAML{where} ({problem}): fix the file") from None
+
+
+def load_plugin_config(path: Path) -> PluginConfig:
+    """Read the Go plugin's parameters from a YAML file, in any of three forms.
+
+    - the parameters at top level (``cacheSizeInMBPerServer: 2048``);
+    - one plugin entry (``parameters:`` and optionally ``type:``/``name:``);
+    - a whole gateway configuration (``plugins:`` with one entry of ``type:
+      mm-embeddings-cache-producer``): its ``parameters:`` are taken and everything
+      else (other plugins, ``schedulingProfiles:``, ``apiVersion:``...) is ignored.
+
+    Parameter names are checked (a mistyped one would silently mean the default) and
+    values must be integers, as the plugin's JSON decoding requires.
+    """
+    raw = read_yaml(path)
+    if raw is None:
+        return PluginConfig({}, f"{path} (empty)")
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: must be a YAML mapping")
-    params = raw.get("parameters", raw)
-    unknown = set(params) - set(_PLUGIN_KEYS)
+        raise ConfigError(f"--config {path}: must be a YAML mapping, not a {_kind(raw)}")
+    if "plugins" in raw:
+        return _from_gateway(path, raw)
+    if "parameters" in raw:
+        kind = raw.get("type")
+        if kind is not None and kind != PLUGIN_TYPE:
+            raise ConfigError(f"--config {path}: type is {kind!r}, expected {PLUGIN_TYPE!r}")
+        extra = sorted(set(raw) - {"parameters", "type", "name"})
+        if extra:
+            raise ConfigError(f"--config {path}: unknown key(s) {', '.join(map(str, extra))} beside "
+                              "parameters (expected type, name, parameters)")
+        return PluginConfig(_parameters(path, "parameters", raw["parameters"]), f"{path}: parameters")
+    return PluginConfig(_parameters(path, "top level", raw), f"{path}: top level")
+
+
+def _from_gateway(path: Path, raw: dict[str, Any]) -> PluginConfig:
+    plugins = raw["plugins"]
+    if not isinstance(plugins, list):
+        raise ConfigError(f"--config {path}: plugins must be a list, not a {_kind(plugins)}")
+    ours = [i for i, entry in enumerate(plugins)
+            if isinstance(entry, dict) and entry.get("type") == PLUGIN_TYPE]
+    if not ours:
+        found = sorted({str(entry.get("type")) for entry in plugins if isinstance(entry, dict)})
+        raise ConfigError(f"--config {path}: plugins has no entry of type {PLUGIN_TYPE} "
+                          f"(found: {', '.join(found) or 'none'}): add one, or give the "
+                          "parameters with --cache-size-mb-per-server")
+    if len(ours) > 1:
+        raise ConfigError(f"--config {path}: plugins has {len(ours)} entries of type {PLUGIN_TYPE} "
+                          f"(plugins[{'], plugins['.join(map(str, ours))}]): mmcache serves one "
+                          "cache, keep one of them")
+    index = ours[0]
+    entry = plugins[index]
+    where = f"plugins[{index}]"
+    ignored = [f"plugins[{i}] (type {entry.get('type') if isinstance(entry, dict) else '?'})"
+               for i, entry in enumerate(plugins) if i != index]
+    ignored += [str(key) for key in raw if key != "plugins"]
+    values = _parameters(path, f"{where}.parameters", entry.get("parameters"))
+    name = f" name {entry['name']}" if entry.get("name") else ""
+    return PluginConfig(values, f"{path}: {where} (type {PLUGIN_TYPE}{name})", ignored)
+
+
+def _parameters(path: Path, where: str, params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"--config {path}: {where} must be a mapping, not a {_kind(params)}")
+    unknown = sorted(str(key) for key in params if key not in _PLUGIN_KEYS)
     if unknown:
-        raise ValueError(f"{path}: unknown parameter(s) {sorted(unknown)}")
-    return {_PLUGIN_KEYS[key]: value for key, value in params.items()}
+        raise ConfigError(f"--config {path}: {where}: unknown parameter(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(_PLUGIN_KEYS)})")
+    values = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        if type(value) is not int:
+            raise ConfigError(f"--config {path}: {where}.{key} must be an integer, not a {_kind(value)}")
+        values[_PLUGIN_KEYS[key]] = value
+    if len(values) > 1:
+        raise ConfigError(f"--config {path}: {where}: set either cacheSizeInMBPerServer or "
+                          "cacheSizeInEmbeddingsPerServer, not both")
+    return values
+
+
+def _kind(value: Any) -> str:
+    return {dict: "mapping", list: "list", str: "string", bool: "boolean", float: "number",
+            int: "integer"}.get(type(value), type(value).__name__)
+
+
+def setting_names(model: str, field_name: str) -> str:
+    """How a user sets one field: its flag (when ``serve`` has one) and its variable."""
+    env = f"{_MODEL_ENV.get(model, 'MMCACHE_')}{field_name.upper()}"
+    if model == "Settings" and field_name in FLAGS:
+        return f"--{field_name.replace('_', '-')} / {env}"
+    return env
+
+
+# Settings that `serve` takes as flags (the rest are environment variables only).
+FLAGS = frozenset({
+    "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
+    "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
+    "match_auth_token_file", "tls_cert", "tls_key", "produce_timeout_s", "shutdown_timeout_s",
+    "max_lag_events", "log_level",
+})
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """A settings error as one line: the setting (flag and variable) and what is wrong
+    with it, never its value (it may be a password)."""
+    parts = []
+    for error in exc.errors(include_url=False, include_input=False):
+        loc = [str(part) for part in error["loc"]]
+        message = error["msg"].removeprefix("Value error, ")
+        if not loc:
+            parts.append(message)
+            continue
+        model = exc.title
+        if loc[0] in ("limits", "kafka") and len(loc) > 1:
+            model, loc = ("Limits" if loc[0] == "limits" else "KafkaSecurity"), loc[1:]
+        parts.append(f"{setting_names(model, loc[0])}: {message}")
+    return "; ".join(parts)
