@@ -30,8 +30,22 @@ Invariants, in the order the drain loop keeps them:
    the partition over; a cancelled drain (shutdown) lets the handler finish.
 5. ``broker_commit_every`` is honoured between batches as between messages.
 
-The patch replaces ``Consumer._drain_messages`` of the pinned faust-streaming release
-only, and only for apps given to ``install``; others keep Faust's original.
+The patch replaces ``Consumer._drain_messages`` of the pinned releases only (``PINNED``:
+faust-streaming, and mode-streaming whose ``Service`` internals the consumer and the
+fetcher are made of), and only for apps given to ``install``; others keep Faust's original.
+``install`` refuses any other installed release, and a consumer whose instance lacks one of
+the names in ``CONSUMER_PRIVATE``/``CONSUMER_INTERNALS`` is refused when its drain starts:
+every internal this module touches is listed there, and nowhere else.
+
+A zombie owner (a worker frozen past its session timeout whose partitions another worker
+took over, then resumed) is bounded by the rules above plus the group coordinator: its
+offset commits carry the old generation and are refused (``UnknownMemberIdError``), so its
+records are redelivered to the new owner, and a batch handed over after the revocation
+became known is never acknowledged (rule 3). What no client-side rule closes is a batch
+whose changelog records are sent after the resume but before the revocation is known:
+only broker-side fencing (a transactional producer's epoch) would refuse them, and the
+embedded broker supports neither idempotent nor transactional producers. See
+``tests/integration/test_zombie_owner.py`` for what was measured.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from time import monotonic
 from typing import Any
 
@@ -50,12 +65,43 @@ from faust.types import TP
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
-__all__ = ["BatchHandler", "BatchPlan", "install", "plan_batch"]
+__all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
+           "check_versions", "install", "plan_batch"]
 
 log = logging.getLogger(__name__)
 
-#: The release whose ``Consumer`` internals this module mirrors; re-read them to upgrade.
-FAUST_VERSION = "0.15.3"
+#: The releases whose internals this module mirrors, pinned as such in pyproject.toml;
+#: re-read ``faust/transport/consumer.py`` and ``mode/services.py`` to upgrade either.
+PINNED = {"faust-streaming": "0.15.3", "mode-streaming": "0.7.1"}
+FAUST_VERSION = PINNED["faust-streaming"]
+
+#: Every private name of Faust's ``Consumer`` (and of its mode ``Service`` base) this
+#: module replaces, calls, reads or writes; ``fetcher._stopped`` is mode's too.
+CONSUMER_PRIVATE = (
+    "_drain_messages",       # replaced (class attribute), the original kept for other apps
+    "_wait_next_records",    # the fetch of one drain turn
+    "_to_message",           # records of other topics, for Faust's per-message path
+    "_add_gap",              # offsets absent between records
+    "_read_offset",          # per-TP last offset read (committed after a seek)
+    "_committed_offset",     # per-TP committed offset
+    "_acked",                # per-TP acked offsets, committed by ``commit``
+    "_acked_index",          # per-TP set of those offsets
+    "_n_acked",              # acks since the last ``broker_commit_every`` commit
+    "_commit_every",         # ``broker_commit_every``
+    "_buffered_partitions",  # TPs Faust still delivers while their flow is paused
+    "_unacked_messages",     # what ``wait_empty`` waits for on a revocation or stop
+    "_waiting_for_ack",      # the future ``wait_empty`` sleeps on; ``notify``-ed on acks
+    "_stopped",              # mode ``Service``: the drain ends when it is set
+)
+#: The public-looking but undocumented names used besides: the consumer's, the app's
+#: (as ``app.<name>``) and the module-level ones imported below.
+CONSUMER_INTERNALS = (
+    "suspend_flow", "flow_active", "should_stop", "diag", "perform_seek", "highwater",
+    "scheduler", "callback", "commit", "wait_first", "sleep", "consumer_stopped_errors",
+    "app.consumer_generation_id", "app.flow_control", "app.monitor", "app.topics",
+    "faust.transport.consumer.CONSUMER_FETCHING", "faust.types.tuples.ack_lock",
+    "mode.utils.futures.notify",
+)
 
 #: ``handler(partition, records)``: records are aiokafka ``ConsumerRecord``s in offset order.
 BatchHandler = Callable[[int, Sequence[Any]], Awaitable[None]]
@@ -118,13 +164,44 @@ def install(app: faust.App, handlers: Mapping[str, BatchHandler]) -> None:
     Faust assigns their partitions together with the tables' ones.
     """
     global _original_drain
-    if faust.__version__ != FAUST_VERSION:
-        raise RuntimeError(f"stream.faust_batches mirrors faust-streaming {FAUST_VERSION}'s "
-                           f"consumer, not {faust.__version__}: re-check it before upgrading")
+    check_versions()
+    missing = [name for name in ("_drain_messages", "_wait_next_records", "_to_message", "_add_gap")
+               if not callable(getattr(Consumer, name, None))]
+    if missing:
+        raise RuntimeError(f"stream.faust_batches: faust's Consumer lacks {missing}")
     _handlers[app] = dict(handlers)
     if _original_drain is None:
         _original_drain = Consumer._drain_messages
         Consumer._drain_messages = _drain_messages  # type: ignore[method-assign]
+
+
+def check_versions(installed: Callable[[str], str] | None = None) -> None:
+    """Refuse to patch anything unless every package in ``PINNED`` is at its release."""
+    def found(name: str) -> str:
+        try:
+            return (installed or version)(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    wrong = {name: found(name) for name, pinned in PINNED.items() if found(name) != pinned}
+    if wrong:
+        described = ", ".join(f"{name} {got} (needs {PINNED[name]})" for name, got in wrong.items())
+        raise RuntimeError(f"stream.faust_batches mirrors the internals of "
+                           f"{', '.join(f'{n}=={v}' for n, v in PINNED.items())}; installed: "
+                           f"{described}. Install the pinned releases, or re-read their "
+                           f"consumer and service internals before changing the pins.")
+
+
+def check_consumer(consumer: Any) -> None:
+    """Refuse a consumer instance that lacks a private name this module uses."""
+    missing = [name for name in CONSUMER_PRIVATE if not hasattr(consumer, name)]
+    missing += [name for name in CONSUMER_INTERNALS
+                if "." not in name and not hasattr(consumer, name)]
+    missing += [name for name in CONSUMER_INTERNALS
+                if name.startswith("app.") and not hasattr(consumer.app, name[4:])]
+    if missing:
+        raise RuntimeError(f"stream.faust_batches: {type(consumer).__name__} lacks {missing}: "
+                           f"not the consumer of faust-streaming {FAUST_VERSION}")
 
 
 class _BatchInFlight:
@@ -156,6 +233,7 @@ class _BatchDrain:
     """One run of the drain loop of one consumer."""
 
     def __init__(self, consumer: Consumer, handlers: Mapping[str, BatchHandler]) -> None:
+        check_consumer(consumer)
         self.consumer = consumer
         self.app = consumer.app
         self.handlers = handlers

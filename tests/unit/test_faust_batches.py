@@ -1,22 +1,20 @@
-"""The batch path: how it sorts one partition's fetched records (``plan_batch``) against
-Faust's per-message rules (read offsets, committed offsets, acks, gaps), and one fetch of
-the drain loop against a fake consumer (ack after the handler, none after a rebalance)."""
+"""The batch path's pure part: how it sorts one partition's fetched records
+(``plan_batch``) against Faust's per-message rules (read offsets, committed offsets, acks,
+gaps); its version guard and list of private names, against the installed Faust. The
+drain loop itself is tested against the real Faust consumer on the broker in
+``tests/integration/test_faust_batches.py``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections import defaultdict
 from types import SimpleNamespace
-from weakref import WeakSet
 
 import faust
 import pytest
-from faust.types import TP
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stream import faust_batches
-from stream.faust_batches import _BatchDrain, plan_batch
+from stream.faust_batches import plan_batch
 
 
 def records(*offsets: int) -> list[SimpleNamespace]:
@@ -91,95 +89,39 @@ def test_taken_acked_and_gap_offsets_cover_the_range_once(log, read, committed):
         assert plan.read_offset == read
 
 
-def test_install_refuses_another_faust_release(monkeypatch):
-    monkeypatch.setattr(faust, "__version__", "0.16.0")
-    with pytest.raises(RuntimeError, match="0.15.3"):
+def test_the_pins_are_the_installed_releases_and_pyproject_pins_them_exactly():
+    from importlib.metadata import version
+    from pathlib import Path
+
+    faust_batches.check_versions()  # the venv holds the pinned releases
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    for name, pinned in faust_batches.PINNED.items():
+        assert version(name) == pinned
+        assert f'"{name}=={pinned}"' in pyproject
+
+
+@pytest.mark.parametrize("package", ["faust-streaming", "mode-streaming"])
+def test_another_release_of_either_package_is_refused_naming_it(package):
+    def installed(name):
+        return "9.9.9" if name == package else faust_batches.PINNED[name]
+
+    with pytest.raises(RuntimeError, match=rf"{package} 9\.9\.9 \(needs {faust_batches.PINNED[package]}\)"):
+        faust_batches.check_versions(installed)
+
+
+def test_install_checks_the_versions_first(monkeypatch):
+    def refuse(installed=None):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(faust_batches, "check_versions", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
         faust_batches.install(faust.App("test-faust-batches"), {})
 
 
-class FakeConsumer:
-    """The parts of a Faust consumer the batch path reads and writes."""
-
-    def __init__(self, fetches):
-        self.fetches = list(fetches)
-        self.app = SimpleNamespace(
-            consumer_generation_id=1,
-            flow_control=SimpleNamespace(is_active=lambda: True),
-            monitor=SimpleNamespace(track_tp_end_offset=lambda tp, offset: None,
-                                    stream_inbound_time={}),
-            topics=SimpleNamespace(acks_enabled_for=lambda topic: True),
-        )
-        self.suspend_flow = asyncio.Event()
-        self.flow_active = True
-        self.should_stop = False
-        self._read_offset = defaultdict(lambda: None)
-        self._committed_offset = defaultdict(lambda: None)
-        self._acked = defaultdict(list)
-        self._acked_index = defaultdict(set)
-        self._n_acked = 0
-        self._commit_every = None
-        self._buffered_partitions = set()
-        self._unacked_messages = WeakSet()
-        self._waiting_for_ack = None
-        self.gaps = []
-        self.delivered = []
-
-    async def _wait_next_records(self, timeout):
-        return self.fetches.pop(0), None
-
-    async def sleep(self, seconds):
-        await asyncio.sleep(seconds)
-
-    def highwater(self, tp):
-        return None
-
-    async def _add_gap(self, tp, first, last):
-        self.gaps.append((tp, first, last))
-
-
-EVENTS = TP("events", 0)
-
-
-def drain_once(consumer, handler) -> None:
-    asyncio.run(_BatchDrain(consumer, {"events": handler}).fetch_once())
-
-
-def test_a_batch_is_acked_after_its_handler_and_while_it_runs_counts_as_unacked():
-    consumer = FakeConsumer([{EVENTS: records(4, 5, 7)}])
-    consumer._read_offset[EVENTS] = 4
-    seen = []
-
-    async def handler(partition, batch):
-        seen.append((partition, [r.offset for r in batch], len(consumer._unacked_messages),
-                     list(consumer._acked[EVENTS])))
-
-    drain_once(consumer, handler)
-    assert seen == [(0, [4, 5, 7], 1, [])]
-    assert consumer._acked[EVENTS] == [4, 5, 7] and consumer._acked_index[EVENTS] == {4, 5, 7}
-    assert consumer._n_acked == 3
-    assert consumer._read_offset[EVENTS] == 7
-    assert consumer.gaps == [(EVENTS, 6, 6)]
-    assert not consumer._unacked_messages
-
-
-def test_a_rebalance_during_the_handler_leaves_the_batch_unacked():
-    consumer = FakeConsumer([{EVENTS: records(0, 1)}])
-
-    async def handler(partition, batch):
-        consumer.app.consumer_generation_id = 2
-
-    drain_once(consumer, handler)
-    assert not consumer._acked[EVENTS] and consumer._n_acked == 0
-    assert consumer._read_offset[EVENTS] is None
-
-
-def test_a_suspended_flow_hands_nothing_over():
-    consumer = FakeConsumer([{EVENTS: records(0, 1)}])
-    consumer.suspend_flow.set()
-    called = []
-
-    async def handler(partition, batch):
-        called.append(batch)
-
-    drain_once(consumer, handler)
-    assert called == [] and not consumer._acked[EVENTS]
+def test_every_listed_private_name_is_on_the_real_consumer_of_an_app():
+    """The real Faust consumer (not a copy of its fields) has every name the module uses."""
+    app = faust.App("test-faust-batches-names", broker="kafka://127.0.0.1:1", web_enabled=False,
+                    autodiscover=False)
+    consumer = app.consumer  # built lazily, not started: no broker needed
+    faust_batches.check_consumer(consumer)
+    assert all(name.startswith("_") for name in faust_batches.CONSUMER_PRIVATE)
