@@ -28,6 +28,7 @@ __all__ = [
     "MatchRequest",
     "MatchResponse",
     "PlacementRequest",
+    "ReadinessBody",
     "StateResponse",
     "check_limits",
     "check_placement",
@@ -170,6 +171,18 @@ class StateResponse(_Body):
         description="false when writes kept changing the state while it was hashed: the "
         "digest then belongs to no single moment; compare digests at rest",
     )
+
+
+class ReadinessBody(_Body):
+    """``/readyz``'s answer, 200 or 503: whether the view answers, why, and how far it is
+    behind the event log (``null`` while not known)."""
+
+    status: Literal["ready", "not_ready"]
+    reason: str
+    lag_events: int | None = Field(
+        description="events on the log not yet in this worker's view, over every partition")
+    staleness_seconds: float | None = Field(
+        description="age of the oldest event on the log not yet in this worker's view")
 
 
 class ErrorDetail(_Body):

@@ -96,8 +96,6 @@ class Settings(BaseSettings):
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
     shutdown_timeout_s: float = Field(5.0, gt=0)
-    # None: /readyz stays 200 however far the view lags once it was ready (CONTRACT)
-    max_lag_events: int | None = Field(None, ge=0)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     auth_token_file: Path | None = None

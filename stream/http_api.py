@@ -28,6 +28,7 @@ from stream.api_models import (
     EndpointEventRequest,
     MatchRequest,
     PlacementRequest,
+    ReadinessBody,
     check_limits,
     check_placement,
     read_match,
@@ -155,7 +156,7 @@ class HttpApi:
         publisher: EventPublisher,
         metrics: Metrics,
         limits: Limits,
-        is_ready: Callable[[], bool],
+        is_ready: Callable[[], bool | ReadinessBody],
         write_tokens: TokenFile | None = None,
         match_tokens: TokenFile | None = None,
     ) -> None:
@@ -382,10 +383,14 @@ class HttpApi:
         return _json({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """200 only once the state is recovered and caught up with the log."""
-        if self.is_ready():
-            return _json({"status": "ready"})
-        return _error(503, "not_ready", "state is recovering or catching up with the event log")
+        """CONTRACT's readiness body: 200 when ready, else 503 (``is_ready`` gives the body,
+        ``stream.readiness``; a plain bool gives one without lag figures)."""
+        body = self.is_ready()
+        if isinstance(body, bool):
+            body = ReadinessBody(status="ready" if body else "not_ready",
+                                 reason="ready" if body else "not ready",
+                                 lag_events=None, staleness_seconds=None)
+        return _json(body.model_dump(), 200 if body.status == "ready" else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         """Prometheus text exposition."""

@@ -28,6 +28,7 @@ MODELS: dict[str, Any] = {
     "EventsAccepted": api_models.EventsAccepted,
     "StateResponse": api_models.StateResponse,
     "ErrorBody": api_models.ErrorBody,
+    "ReadinessBody": api_models.ReadinessBody,
 }
 
 _ERRORS = {
@@ -52,7 +53,9 @@ ROUTES: list[tuple[str, str, str, str | None, int, str | None, tuple[int, ...], 
     ("get", "/v1/state", "Per-endpoint counts, the capacity and the digest of the whole state",
      None, 200, "StateResponse", (400,), "writes"),
     ("get", "/healthz", "The process is alive", None, 200, None, (), None),
-    ("get", "/readyz", "Ready to answer /v1/match (503 before that)", None, 200, None, (503,), None),
+    ("get", "/readyz", "Ready to answer /v1/match: 503 until the view is loaded and caught up "
+     "after start, or while it lags more than --max-lag-events; the body says why and how stale",
+     None, 200, "ReadinessBody", (503,), None),
     ("get", "/metrics", "Prometheus text exposition", None, 200, None, (), None),
     ("get", "/openapi.json", "This document", None, 200, None, (), None),
 ]
@@ -83,7 +86,7 @@ def _operation(path: str, summary: str, request: str | None, status: int, respon
         success["content"] = _json_content(response)
     responses: dict[str, Any] = {str(status): success}
     for code in (*errors, *((401,) if guarded else ())):
-        content = _json_content(None if path == "/readyz" else "ErrorBody")
+        content = _json_content("ReadinessBody" if path == "/readyz" else "ErrorBody")
         responses[str(code)] = {"description": _ERRORS.get(code, "Not ready"), "content": content}
     responses = dict(sorted(responses.items()))
     if guarded:

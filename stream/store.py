@@ -186,23 +186,30 @@ def load_partition(state: CacheState, partition: int, records: Iterable[tuple[by
 def load_partition_in_slices(state: CacheState, partition: int,
                              records: Iterable[tuple[bytes, bytes]],
                              entries_per_slice: int = 4096) -> Iterator[int]:
-    """``load_partition`` that stops after about ``entries_per_slice`` entries and yields
-    how many it restored, so a caller on an event loop can run the loop in between.
+    """Make ``state``'s part for ``partition`` what the records say, in steps of about
+    ``entries_per_slice`` entries, yielding how many each step loaded or released, so a
+    caller on an event loop can run the loop in between: the one path by which a reload
+    (from the table's file) and the follower (from a changelog re-read) load a partition.
 
-    The store iterates in key order, so an endpoint's keys come together and each LRU is
-    restored whole, as soon as its keys end: a step holds at most the slice plus one
-    endpoint's capacity. A RocksDB iterator reads one snapshot, so writes to the file
-    between steps do not change what is loaded; the caller must not apply events of
-    this partition to ``state`` until the last step.
+    What the partition held before keeps answering until it is replaced: each LRU is
+    swapped whole (``CacheState.replace_lru``) as soon as its keys end (the store
+    iterates in key order, so an endpoint's keys come together and a step holds at most
+    the slice plus one endpoint's capacity), then the endpoints the records do not have
+    are dropped; no step removes an entry the records hold. Each LRU is ordered by the
+    stored rank, whatever order the records came in. A RocksDB iterator reads one
+    snapshot, so writes to the file between steps do not change what is loaded; the
+    caller must not apply events of this partition to ``state`` until the last step.
     """
     from_bytes = int.from_bytes
     applied: int | None = None
     prefix, name, group = b"", "", []
     hexed, loaded = False, 0
+    names: set[str] = set()
 
-    def restore() -> int:
+    def replace() -> int:
         group.sort()
-        state.restore_lru(partition, name, [(d, from_bytes(v[12:16])) for v, d in group])
+        state.replace_lru(partition, name, [(d, from_bytes(v[12:16])) for v, d in group])
+        names.add(name)
         return len(group)
 
     for key, value in records:
@@ -211,20 +218,23 @@ def load_partition_in_slices(state: CacheState, partition: int,
                 applied = decode_applied(value)
             continue
         if not group or not key.startswith(prefix):
-            if group:
-                loaded += restore()
-                group = []
-                if loaded >= entries_per_slice:
-                    yield loaded
-                    loaded = 0
             at, hexed = _split_entry_key(key)
-            prefix, name = key[:at + 1], key[1:at].decode()
+            prefix, after = key[:at + 1], key[1:at].decode()
+            if after != name or not group:  # an endpoint's hex and text hashes sort apart
+                if group:
+                    loaded += replace()
+                    group = []
+                    if loaded >= entries_per_slice:
+                        yield loaded
+                        loaded = 0
+                name = after
         raw = key[len(prefix):]
         group.append((value, raw.hex() if hexed else raw.decode()))
     if group:
-        loaded += restore()
-    state.restore(partition, applied, ())
+        loaded += replace()
     yield loaded
+    yield from state.drop_partition_except_in_slices(partition, names, entries_per_slice)
+    state.set_applied(partition, applied)
 
 
 def _size_of(value: bytes) -> int:

@@ -263,6 +263,32 @@ class CacheState:
         self.applied.pop(partition, None)
         yield released
 
+    def drop_partition_except_in_slices(self, partition: int, keep: set[str],
+                                        entries_per_slice: int) -> Iterator[int]:
+        """Drop the partition's endpoints not in ``keep`` (those a reload did not find in
+        the store), in steps as ``drop_partition_in_slices``; the applied offset stays."""
+        names = [n for n, cache in self.endpoints.items()
+                 if cache.partition == partition and n not in keep]
+        released = 0
+        for name in names:
+            cache = self.endpoints.get(name)
+            if cache is None or cache.partition != partition:
+                continue
+            released += len(cache.entries)
+            self._drop(name, Effects())
+            if released >= entries_per_slice:
+                yield released
+                released = 0
+        if released:
+            yield released
+
+    def set_applied(self, partition: int, applied: int | None) -> None:
+        """Record a partition's applied offset as loaded (``None``: nothing applied)."""
+        if applied is None:
+            self.applied.pop(partition, None)
+        else:
+            self.applied[partition] = applied
+
     def export(self) -> tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, set[str]],
                               dict[int, int]]:
         """The state as plain dicts, sets and tuples, e.g. to ``marshal`` it to another
@@ -354,6 +380,34 @@ class CacheState:
                 holders[digest] = {name}
             else:
                 held_by.add(name)
+
+    def replace_lru(self, partition: int, name: str, entries: Iterable[tuple[str, int]]) -> None:
+        """Swap one endpoint's whole LRU for another, given least recent first.
+
+        The new LRU goes in as one pointer change, so a match sees the old LRU or the new
+        one, never a mix; an entry both hold is held throughout (a handover's reload
+        never makes an answer lose a match the new view also has). Costs the old plus
+        the new LRU's length.
+        """
+        old = self.endpoints.get(name)
+        lru = dict(entries)
+        if not lru:
+            if old is not None:
+                self._drop(name, Effects())
+            return
+        holders = self.holders
+        for digest in lru:
+            held_by = holders.get(digest)
+            if held_by is None:
+                holders[digest] = {name}
+            else:
+                held_by.add(name)
+        self.endpoints[name] = EndpointCache(partition, lru, sum(lru.values()))
+        self._dirty.add(name)
+        if old is not None:
+            for digest in old.entries:
+                if digest not in lru:
+                    self._release(digest, name)
 
     def entries(self) -> Iterable[tuple[int, Entry]]:
         """Every entry with its partition, ranked so that ``restore`` rebuilds this state."""

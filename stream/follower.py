@@ -1,0 +1,201 @@
+"""Following the partitions other workers own, so every worker of an app id answers for
+all endpoints: their changes are read from the table's changelog (no consumer group)
+and mirrored into the view.
+
+A partition this worker starts to follow (at start, after a rebalance, or when its
+position is out of range) is re-read from the changelog's first record into a store of
+its own, aside, while the view keeps answering from what it held; once the re-read has
+reached the changelog's end, the partition is loaded into the view in one pass
+(``stream.view_load``: each LRU swapped whole, ordered by the rank stored with each
+entry, so a changelog written in key order by a seeded start gives the owner's recency
+order too). After that, changes are applied as they come, in the owner's fold order.
+The owner's applied-offset record is mirrored into the view's applied offsets, from
+which the view's lag on a followed partition is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import mode
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
+from aiokafka.structs import TopicPartition
+
+from stream.core.cache import CacheState
+from stream.store import APPLIED_KEY, decode_applied, decode_change, encode_applied
+from stream.view_load import load_partition_into_view
+
+__all__ = ["ChangelogFollower", "Reread"]
+
+# Changelog records taken per turn of the loop (~1-2 µs each).
+FOLLOW_RECORDS = 2000
+
+log = logging.getLogger(__name__)
+
+
+class Reread:
+    """One partition's changelog read again from its start, kept aside from the view: the
+    latest value of every entry key (a removal forgets the key), grouped by endpoint, and
+    the owner's last applied offset."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, dict[bytes, bytes]] = {}
+        self.applied: int | None = None
+
+    def add(self, key: bytes, value: bytes | None) -> None:
+        """Take one changelog record."""
+        if key == APPLIED_KEY:
+            if value is not None:
+                self.applied = decode_applied(value)
+            return
+        change = decode_change(key, value)
+        if change is None:
+            return
+        group = self.endpoints.setdefault(change[0], {})
+        if value is None:
+            group.pop(key, None)
+        else:
+            group[key] = value
+
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
+        """The partition as store records, each endpoint's keys together."""
+        for group in self.endpoints.values():
+            yield from group.items()
+        if self.applied is not None:
+            yield APPLIED_KEY, encode_applied(self.applied)
+
+
+class ChangelogFollower(mode.Service):
+    """Keeps the view of the partitions this worker does not own; a single worker owns
+    every partition and follows none.
+
+    After each rebalance ``follow`` is told which partitions this worker owns. A lock
+    keeps ``follow`` and the application of fetched records (a re-read's load included)
+    from interleaving, so a partition that becomes owned is no longer written here once
+    ``follow`` returns.
+    """
+
+    def __init__(self, bootstrap_servers: str, changelog: str, view: CacheState,
+                 client: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bootstrap_servers = bootstrap_servers
+        self.client = client or {}
+        self.changelog = changelog
+        self.view = view
+        self.following: set[int] = set()
+        self.rereads: dict[int, Reread] = {}
+        self.loads = 0  # re-reads loaded into the view
+        self._next: dict[int, int] = {}  # next changelog offset, per followed partition
+        self._consumer: AIOKafkaConsumer | None = None
+        self._assigned = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    @property
+    def caught_up(self) -> bool:
+        """Told what to follow, and no partition is being re-read."""
+        return self._assigned.is_set() and not self.rereads
+
+    async def on_start(self) -> None:
+        """Connect; nothing is read until ``follow`` names the partitions.
+
+        No reset policy: a position out of range raises, and that partition is re-read
+        from its first record (never resumed from the latest, which would skip changes).
+        """
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers,
+                                          enable_auto_commit=False, auto_offset_reset="none",
+                                          **self.client)
+        await self._consumer.start()
+
+    async def on_stop(self) -> None:
+        """Disconnect."""
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def follow(self, owned: set[int], partitions: int) -> None:
+        """Follow every partition this worker does not own (called after each recovery):
+        a newly followed one is re-read aside, the others resume where they were."""
+        consumer = self._consumer
+        assert consumer is not None
+        async with self._lock:
+            following = set(range(partitions)) - owned
+            for partition in self.following - following:
+                self.rereads.pop(partition, None)
+                self._next.pop(partition, None)
+            self.following = following
+            consumer.assign([self._tp(p) for p in sorted(following)])
+            again = [p for p in following if p in self.rereads or p not in self._next]
+            for partition in following - set(again):
+                consumer.seek(self._tp(partition), self._next[partition])
+            await self._reread(consumer, again)
+            self._assigned.set()
+
+    async def _reread(self, consumer: AIOKafkaConsumer, partitions: list[int]) -> None:
+        for partition in partitions:
+            self.rereads[partition] = Reread()
+        if partitions:
+            await consumer.seek_to_beginning(*(self._tp(p) for p in partitions))
+
+    def _tp(self, partition: int) -> TopicPartition:
+        return TopicPartition(self.changelog, partition)
+
+    @mode.Service.task
+    async def _mirror(self) -> None:
+        await self._assigned.wait()
+        consumer = self._consumer
+        assert consumer is not None
+        while not self.should_stop:
+            if not self.following:
+                await self.sleep(0.1)
+                continue
+            try:
+                batches = await consumer.getmany(timeout_ms=100, max_records=FOLLOW_RECORDS)
+            except (OffsetOutOfRangeError, NoOffsetForPartitionError) as exc:
+                await self._out_of_range(consumer, exc)
+                continue
+            async with self._lock:
+                for tp, records in batches.items():
+                    if tp.partition in self.following:
+                        self._take(tp.partition, records)
+                await self._load_finished(consumer)
+
+    async def _out_of_range(self, consumer: AIOKafkaConsumer, exc: Exception) -> None:
+        found = exc.args[0] if exc.args else {}
+        tps = list(found) if isinstance(found, dict) else [found]
+        async with self._lock:
+            partitions = [tp.partition for tp in tps if tp.partition in self.following]
+            log.warning("changelog position out of range for partitions %s: re-reading them "
+                        "from the first record", partitions)
+            await self._reread(consumer, partitions)
+
+    def _take(self, partition: int, records: list[Any]) -> None:
+        reread = self.rereads.get(partition)
+        if reread is not None:
+            for record in records:
+                reread.add(record.key, record.value)
+        else:
+            view = self.view
+            for record in records:
+                if record.key == APPLIED_KEY:
+                    view.set_applied(partition, decode_applied(record.value))
+                    continue
+                change = decode_change(record.key, record.value)
+                if change is not None:
+                    view.follow(partition, *change)
+        if records:
+            self._next[partition] = records[-1].offset + 1
+
+    async def _load_finished(self, consumer: AIOKafkaConsumer) -> None:
+        """Load every re-read that has reached the changelog's end into the view."""
+        for partition in list(self.rereads):
+            tp = self._tp(partition)
+            highwater = consumer.highwater(tp)
+            if highwater is None or await consumer.position(tp) < highwater:
+                continue
+            self._next[partition] = highwater
+            reread = self.rereads.pop(partition)
+            await load_partition_into_view(self.view, partition, reread.records())
+            self.loads += 1

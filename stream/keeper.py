@@ -1,0 +1,115 @@
+"""The agent's logic: each record of the event topic folded into the view (the same rule
+as ``rebuild``, ``stream.admission``), mirrored to the store, or dead-lettered; and the
+reload of owned partitions from their stores after a recovery.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from stream.admission import Applied, fold_record
+from stream.core.cache import CacheState, Effects
+from stream.kafka.dead_letters import DeadLetter
+from stream.metrics import Metrics
+from stream.preload import LocalPreload
+from stream.table_mirror import Mirror
+from stream.view_load import load_partition_into_view
+
+__all__ = ["DeadLetterSink", "StateKeeper"]
+
+# the reasons the older ``mmcache_malformed_events_total`` counts too
+_MALFORMED = frozenset({"not_json", "bad_schema", "unknown_version"})
+
+log = logging.getLogger(__name__)
+
+
+class DeadLetterSink(Protocol):
+    """Where the keeper puts the records it skips (a ``DeadLetterWriter``, or a list)."""
+
+    def add(self, letter: DeadLetter) -> None:
+        """Keep one letter until the batch is flushed."""
+
+
+class _Letters(list[DeadLetter]):
+    """The letters of a keeper without a writer (tests, tools): kept in a list."""
+
+    def add(self, letter: DeadLetter) -> None:
+        self.append(letter)
+
+
+class StateKeeper:
+    """The agent's logic: fold a record into the view (``stream.admission``, the same rule
+    as ``rebuild``), mirror it to the store, dead-letter and count what is skipped.
+
+    ``partitions`` is the event topic's partition count, against which an endpoint's
+    key partition is checked.
+    """
+
+    def __init__(self, state: CacheState, mirror: Mirror, metrics: Metrics,
+                 partitions: int = 1, dead_letters: DeadLetterSink | None = None) -> None:
+        self.state = state
+        self.mirror = mirror
+        self.metrics = metrics
+        self.partitions = partitions
+        self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else _Letters()
+        self._rejected: dict[str, int] = {}
+
+    def apply_record(self, partition: int, offset: int, raw: bytes | None,
+                     key: bytes | None = None) -> None:
+        """Apply one record of the event topic; one that is not applied is dead-lettered,
+        counted and skipped, its offset applied all the same."""
+        outcome = fold_record(self.state, partition, offset, key, raw, self.partitions)
+        if outcome is None:
+            self.metrics.redelivered.inc()
+        elif isinstance(outcome, Applied):
+            self.mirror.write(partition, outcome.effects, offset)
+            self.metrics.events.labels(outcome.event.type).inc()
+        else:
+            self.dead_letters.add(DeadLetter(partition, offset, key, raw, outcome.reason))
+            self.mirror.write(partition, Effects(), offset)
+            self.metrics.dead_letters.labels(outcome.reason).inc()
+            if outcome.reason in _MALFORMED:
+                self.metrics.malformed.inc()
+            seen = self._rejected[outcome.reason] = self._rejected.get(outcome.reason, 0) + 1
+            if seen <= 10 or seen % 1000 == 0:  # a misconfigured producer must not flood the log
+                log.warning("dead-lettered record at partition %d offset %d (%s, %d so far): %s",
+                            partition, offset, outcome.reason, seen, outcome.detail)
+
+    def apply_batch(self, partition: int, records: Iterable[Any]) -> None:
+        """Apply fetched records (with ``offset``, ``key`` and ``value``) of one partition,
+        in order."""
+        apply = self.apply_record
+        for record in records:
+            apply(partition, record.offset, record.value, record.key)
+
+    async def reload(self, partitions: dict[int, Any], preload: LocalPreload | None = None) -> None:
+        """Make these partitions' part of the view their stores' durable entries (the
+        other partitions' part is kept in step by the ``ChangelogFollower``).
+
+        A finished ``preload`` (of a worker's first start) is taken in first: its
+        partitions that are owned and unchanged since it read them are not read again;
+        the others are replaced from their stores (owned) or by the follower's re-read.
+        Each partition goes through ``load_partition_into_view``: the entries it held keep
+        answering until replaced, and the loop turns between slices; Faust applies no
+        event of these partitions until this returns. The collector is off meanwhile: its
+        full passes over the growing view took 70-90 ms each.
+        """
+        gc.disable()
+        try:
+            reused: set[int] = set()
+            if preload is not None and preload.state is not None:
+                self.state.merge(preload.state)
+                reused = {p for p, db in partitions.items() if preload.unchanged(p, db)}
+            for partition, db in partitions.items():
+                if partition not in reused:
+                    await load_partition_into_view(self.state, partition, db.items())
+        finally:
+            # The view is long-lived: keep the collector from re-scanning it (a full pass
+            # over a 1M-entry view stalled requests for ~80 ms in the latency benchmark).
+            gc.freeze()
+            gc.enable()
+        log.info("state loaded: %d endpoints from partitions %s",
+                 len(self.state.endpoints), sorted(partitions))
