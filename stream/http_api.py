@@ -34,10 +34,11 @@ from stream.api_models import (
     read_match,
 )
 from stream.auth import TokenFile
+from stream.codec import field_path
 from stream.config import Limits
 from stream.core.cache import CacheState
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
-from stream.core.items import InvalidField, Item, extract_items, unique_items
+from stream.core.items import MAX_ITEM_SIZE, InvalidField, Item, extract_items, unique_items
 from stream.digest import digest_without_blocking
 from stream.kafka.publisher import EventPublisher, LogUnavailable
 from stream.metrics import Metrics
@@ -133,18 +134,34 @@ def _invalid(exc: InvalidField) -> ApiError:
     return ApiError(400, "invalid_request", str(exc))
 
 
+_TAGS = frozenset({"deleted", "sync"})  # EndpointEventRequest's discriminator values
+
+
 def _parse(model: type[BaseModel] | TypeAdapter[Any], raw: bytes) -> Any:
-    """Validate a JSON body; the error message names the first bad field."""
+    """Validate a JSON body strictly (the schema's integer is not ``"1"`` nor ``true``, as
+    on ``read_match``'s path); the message names the first bad field as ``items[0].size``
+    and the limit it broke."""
     try:
         if isinstance(model, TypeAdapter):
-            return model.validate_json(raw)
-        return model.model_validate_json(raw)
+            return model.validate_json(raw, strict=True)
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
             raise ApiError(400, "invalid_json", f"body is not valid JSON: {first['msg']}") from None
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
+        where = field_path(first["loc"], _TAGS) or "body"
+        raise ApiError(400, "invalid_request", f"{where}: {_message(first)}") from None
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message, with the name of the bound it hit: the endpoint name length
+    (CONTRACT's 253, which ``max_endpoint_chars`` may only lower) and the item size."""
+    loc, kind = error["loc"], error["type"]
+    if kind == "string_too_long" and any(part in ("endpoints", "endpoint", "live") for part in loc):
+        return f"{error['msg']} (max_endpoint_chars)"
+    if loc and loc[-1] == "size" and kind in ("less_than_equal", "greater_than_equal"):
+        return f"must be from 1 to {MAX_ITEM_SIZE} (the item size bound)"
+    return str(error["msg"])
 
 
 class HttpApi:

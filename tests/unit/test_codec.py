@@ -188,3 +188,14 @@ def test_malformed_event_says_why_in_a_dead_letter_reason(raw, reason):
     with pytest.raises(MalformedEvent) as caught:
         decode_event(raw)
     assert caught.value.reason == reason
+
+
+@pytest.mark.parametrize("size", ['"1"', "true"])
+def test_a_size_that_is_not_a_json_integer_is_a_bad_schema_record(size):
+    # a record published directly with a string size is refused by live and rebuild alike
+    raw = (b'{"v":1,"type":"items_placed","endpoint":"a","items":[{"hash":"h","size":'
+           + size.encode() + b',"modality":"image"}]}')
+    with pytest.raises(MalformedEvent) as caught:
+        decode_event(raw)
+    assert caught.value.reason == "bad_schema"
+    assert str(caught.value) == "items[0].size: Input should be a valid integer"

@@ -132,3 +132,59 @@ def test_an_unknown_state_parameter_is_400_not_ignored():
     [(status, answer)] = requests([("GET", "/v1/state?limt=5", None)])
     assert (status, answer["error"]["code"]) == (400, "invalid_request")
     assert "limt" in answer["error"]["message"]
+
+
+# Issue 10, item 8: validation means what the schema says, on every path.
+
+def _placement(**item) -> bytes:
+    return orjson.dumps({"endpoints": ["ns/a"], "items": [{"hash": "h", "modality": "image", **item}]})
+
+
+@pytest.mark.parametrize("size", ["1", True, 1.0, "x"])
+def test_a_size_that_is_not_a_json_integer_is_refused(size):
+    [(status, answer)] = requests([("POST", "/v1/placements", _placement(size=size))])
+    assert status == 400
+    assert answer["error"]["message"] == "items[0].size: Input should be a valid integer"
+
+
+@pytest.mark.parametrize("length", ["1", True])
+def test_a_feature_length_that_is_not_an_integer_is_refused_on_match_and_placement(length):
+    body = {"tokenized": {"prompts": [{"mm_features": [{"hash": "h", "modality": "image",
+                                                         "length": length}]}]}}
+    answers = requests([("POST", "/v1/match", orjson.dumps({"endpoints": ["ns/a"], "body": body})),
+                        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "body": body}))])
+    where = "body.tokenized.prompts[0].mm_features[0].length: must be an integer"
+    assert answers == [(400, error("invalid_request", where))] * 2
+
+
+def test_request_id_and_endpoints_are_strict_on_the_fast_path_and_the_fallback():
+    answers = requests([
+        ("POST", "/v1/match", b'{"endpoints": ["ns/a"], "body": {}, "request_id": 7}'),
+        ("POST", "/v1/placements", b'{"endpoints": ["ns/a"], "request_id": 7, "items": []}'),
+        ("POST", "/v1/endpoint-events", b'{"type": "sync", "live": ["ns/a", 3]}'),
+    ])
+    assert [a[1]["error"]["message"] for a in answers] == [
+        "request_id: Input should be a valid string",
+        "request_id: Input should be a valid string",
+        "live[1]: Input should be a valid string",
+    ]
+
+
+def test_every_error_location_is_written_with_brackets_and_every_bound_is_named():
+    long_name = "n" * 254
+    answers = requests([
+        ("POST", "/v1/placements", _placement(size=2**31)),
+        ("POST", "/v1/placements", _placement(size=0)),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": [long_name], "items": []})),
+        ("POST", "/v1/match", orjson.dumps({"endpoints": ["ok", long_name], "body": {}})),
+        ("POST", "/v1/endpoint-events", orjson.dumps({"type": "deleted", "endpoint": long_name})),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "items": [
+            {"hash": f"h{i}", "size": 1, "modality": "image"} for i in range(3)]})),
+    ], Limits(max_items=2))
+    messages = [a[1]["error"]["message"] for a in answers]
+    assert messages[:2] == ["items[0].size: must be from 1 to 2147483647 (the item size bound)"] * 2
+    assert messages[2] == "endpoints[0]: String should have at most 253 characters (max_endpoint_chars)"
+    assert messages[3] == "endpoints[1]: String should have at most 253 characters (max_endpoint_chars)"
+    assert messages[4] == "endpoint: String should have at most 253 characters (max_endpoint_chars)"
+    assert messages[5] == "items: at most 2 items (max_items)"
+    assert not any(".0" in m or ".1." in m for m in messages)
