@@ -182,6 +182,7 @@ class HttpApi:
         self.metrics = metrics
         self.limits = limits
         self.is_ready = is_ready
+        metrics.readiness = self._ready_now
         self.write_tokens = write_tokens
         self.match_tokens = match_tokens
 
@@ -215,7 +216,7 @@ class HttpApi:
     def _route(self, name: str, handler: Handler, tokens: TokenFile | None = None) -> Handler:
         """``handler`` answering every error as CONTRACT's JSON body, timed by route, and
         behind a bearer token when ``tokens`` is given (checked before anything is read)."""
-        timer = self.metrics.request_timer(name)
+        timer, count = self.metrics.request_timer(name), self.metrics.count_request
         too_large = f"body over {self.limits.max_body_bytes} bytes (max_body_bytes)"
         if tokens is not None:
             handler = self._guarded(handler, tokens)
@@ -236,6 +237,7 @@ class HttpApi:
                 log.exception("unexpected error on %s", name)
                 response = web.Response(body=_INTERNAL, status=500, content_type="application/json")
             timer.observe(time.perf_counter() - started)
+            count(name, response.status)
             return response
 
         return handle
@@ -355,14 +357,14 @@ class HttpApi:
             raise _invalid(exc) from None
         return _json({"events": await self._publish(publish)}, 202)
 
-    @staticmethod
-    async def _publish(publish: Awaitable[int]) -> int:
+    async def _publish(self, publish: Awaitable[int]) -> int:
         """The publisher's count, or 503: ``log_unavailable`` (not acknowledged in time,
         may still be written) or ``overloaded`` (too many writes waiting, nothing sent).
         The publisher logs the failures, rate-limited."""
         try:
             return await publish
         except LogUnavailable as exc:
+            self.metrics.write_failures.labels(exc.code).inc()
             raise ApiError(503, exc.code, str(exc)) from None
 
     async def state_summary(self, request: web.Request) -> web.Response:
@@ -394,6 +396,11 @@ class HttpApi:
         """The OpenAPI 3.1 document of this API, from the models of ``schemas/``."""
         document = openapi_document(self.write_tokens is not None, self.match_tokens is not None)
         return web.Response(body=document, content_type="application/json")
+
+    def _ready_now(self) -> bool:
+        """Whether /readyz would answer 200 now (the ``mmcache_ready`` gauge)."""
+        body = self.is_ready()
+        return body if isinstance(body, bool) else body.status == "ready"
 
     async def healthz(self, request: web.Request) -> web.Response:
         """The process is alive."""

@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import accumulate
 from operator import attrgetter
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -62,10 +68,17 @@ class Metrics:
 
     def __init__(self, state: CacheState, lag: Callable[[], dict[int, int]]) -> None:
         self.registry = CollectorRegistry()
+        # RSS, CPU seconds, open fds, start time; the Python runtime's figures
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._state = state
         self._lag = lag
         self._queries: Tally[str] = Tally()
         self._hits: Tally[tuple[str, str]] = Tally()
+        self._requests: Tally[tuple[str, int]] = Tally()
+        # set by the HTTP API: whether /readyz answers 200 now
+        self.readiness: Callable[[], bool] | None = None
         self.hit_ratio = Histogram(_RATIO_BUCKETS)
         self.events = Counter(
             "mmcache_events_processed_total",
@@ -89,6 +102,13 @@ class Metrics:
             "Events skipped because their offset was already applied",
             registry=self.registry,
         )
+        self.write_failures = Counter(
+            "mmcache_write_failures_total",
+            "Writes answered 503, by reason: log_unavailable (not acknowledged in time, may "
+            "still be written) or overloaded (too many writes waiting, nothing sent)",
+            ["reason"],
+            registry=self.registry,
+        )
         self._timers: dict[str, Histogram] = {}
         self.registry.register(self)
 
@@ -98,6 +118,10 @@ class Metrics:
         if timer is None:
             timer = self._timers[route] = Histogram(_LATENCY_BUCKETS)
         return timer
+
+    def count_request(self, route: str, status: int) -> None:
+        """Count one answered request (``route`` is the route's pattern, a bounded set)."""
+        self._requests[route, status] += 1
 
     def record_match(self, items: Sequence[Item], found: Mapping[str, list[Item]]) -> None:
         """Count a match request's queried items and every (endpoint, item) hit;
@@ -121,18 +145,33 @@ class Metrics:
         for modality, count in self._queries.items():
             queries.add_metric([modality], count)
         hits = CounterMetricFamily(
-            "encoder_cache_hits", "Matched (endpoint, item) pairs", labels=["pod", "modality"]
+            "encoder_cache_hits", "Matched (endpoint, item) pairs, by pod and modality; a pod's "
+            "series goes when the pod is deleted or synced away", labels=["pod", "modality"]
         )
+        live = self._state.endpoints
+        for key in [key for key in self._hits if key[0] not in live]:
+            del self._hits[key]  # its LRU was dropped: a pod label lives as long as the pod
         for (pod, modality), count in self._hits.items():
             hits.add_metric([pod, modality], count)
+        requests = CounterMetricFamily(
+            "mmcache_http_requests", "HTTP requests answered, by route and status code",
+            labels=["route", "code"]
+        )
+        for (route, status), count in sorted(self._requests.items()):
+            requests.add_metric([route, str(status)], count)
         lag = GaugeMetricFamily(
-            "mmcache_consumer_lag", "Events on the log not yet applied", labels=["partition"]
+            "mmcache_consumer_lag", "Events on the log not yet applied, by owned partition",
+            labels=["partition"]
         )
         for partition, behind in sorted(self._lag().items()):
             lag.add_metric([str(partition)], behind)
         yield queries
         yield hits
+        yield requests
         yield lag
+        if self.readiness is not None:
+            yield GaugeMetricFamily("mmcache_ready", "1 while /readyz answers 200, else 0",
+                                    value=1 if self.readiness() else 0)
         yield _histogram_family("encoder_cache_hit_ratio",
                                 "Best endpoint score of each match request with items",
                                 {(): self.hit_ratio})

@@ -188,3 +188,20 @@ def test_every_error_location_is_written_with_brackets_and_every_bound_is_named(
     assert messages[4] == "endpoint: String should have at most 253 characters (max_endpoint_chars)"
     assert messages[5] == "items: at most 2 items (max_items)"
     assert not any(".0" in m or ".1." in m for m in messages)
+
+
+def test_answers_are_counted_by_route_and_code_and_readiness_is_a_gauge():
+    api = make_api()
+
+    async def run() -> str:
+        async with TestClient(TestServer(api.application())) as client:
+            await client.post("/v1/match", data=b'{"endpoints": [], "body": {}}')
+            await client.post("/v1/match", data=b"{bad")
+            await client.get("/nope")
+            return await (await client.get("/metrics")).text()
+
+    text = asyncio.run(run())
+    assert 'mmcache_http_requests_total{code="200",route="/v1/match"} 1.0' in text
+    assert 'mmcache_http_requests_total{code="400",route="/v1/match"} 1.0' in text
+    assert 'mmcache_http_requests_total{code="404",route="unmatched"} 1.0' in text
+    assert "mmcache_ready 1.0" in text

@@ -190,3 +190,55 @@ def test_each_metrics_object_has_its_own_registry(state):
     first.record_match([IMG_A], state.hits([IMG_A], ["ns/pod-a"])[1])
     assert value(scrape(first), "encoder_cache_queries_total", modality="image") == 1
     assert names(scrape(second), "encoder_cache_queries") == []
+
+
+# Issue 10, item 7: metrics a Prometheus user can alert on.
+
+def test_a_deleted_or_synced_away_pods_series_are_removed(metrics, state):
+    from stream.core.events import EndpointsSynced
+
+    log = Placements(state)
+    log.offset = 10
+    log.place("ns/pod-c", IMG_A)
+    match(metrics, state, [IMG_A], ["ns/pod-a", "ns/pod-b", "ns/pod-c"])
+    pods = lambda: {dict(k[1])["pod"] for k in names(scrape(metrics), "encoder_cache_hits_total")}  # noqa: E731
+    assert pods() == {"ns/pod-a", "ns/pod-b", "ns/pod-c"}
+    log.delete("ns/pod-a")
+    assert pods() == {"ns/pod-b", "ns/pod-c"}
+    state.apply(EndpointsSynced(live=["ns/pod-b"]), Position(0, log.offset))
+    assert pods() == {"ns/pod-b"}
+
+
+def test_requests_are_counted_by_route_and_status_code(metrics):
+    metrics.count_request("/v1/match", 200)
+    metrics.count_request("/v1/match", 200)
+    metrics.count_request("/v1/match", 400)
+    samples = scrape(metrics)
+    assert value(samples, "mmcache_http_requests_total", route="/v1/match", code="200") == 2
+    assert value(samples, "mmcache_http_requests_total", route="/v1/match", code="400") == 1
+
+
+def test_readiness_gauge_and_process_collector_on_the_same_registry(metrics):
+    assert value(scrape(metrics), "mmcache_ready") is None  # no readiness known yet
+    ready = [False]
+    metrics.readiness = lambda: ready[0]
+    assert value(scrape(metrics), "mmcache_ready") == 0
+    ready[0] = True
+    samples = scrape(metrics)
+    assert value(samples, "mmcache_ready") == 1
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
+        assert value(samples, name) is not None, name
+
+
+def test_every_metric_has_a_help_text(metrics, state):
+    match(metrics, state, [IMG_A], ["ns/pod-a"])
+    metrics.write_failures.labels("overloaded").inc()
+    metrics.dead_letters.labels("not_json").inc()
+    text = generate_latest(metrics.registry).decode()
+    families = list(text_string_to_metric_families(text))
+    assert len(families) > 10
+    for family in families:
+        assert family.documentation.strip(), family.name
+    samples = scrape(metrics)
+    assert value(samples, "mmcache_write_failures_total", reason="overloaded") == 1
+    assert value(samples, "mmcache_dead_letters_total", reason="not_json") == 1
