@@ -169,7 +169,7 @@ def _add_tune(commands: argparse._SubParsersAction) -> None:  # type: ignore[typ
     tune.add_argument("--embeddings", default=None,
                       help="comma-separated size-mode capacities (default 512 .. 262144 and "
                       "--encoder-cache-size)")
-    tune.add_argument("--plot", type=Path, default=Path("tune.svg"),
+    tune.add_argument("--plot", default="tune.svg",
                       help="write the plot of hit ratio against capacity here (SVG); '' for none")
     tune.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     tune.set_defaults(run=_tune)
@@ -259,9 +259,9 @@ def _tune(args: argparse.Namespace) -> None:
     if not any(r.placed for r in rows):
         raise SystemExit("tune: no placements recorded: nothing to tune")
     choice = recommend(rows, args.encoder_cache_size)
-    if args.plot and str(args.plot):
+    if args.plot:
         title = f"hit ratio against capacity over {rows[0].placed:,} placed items"
-        args.plot.write_text(tune_svg(rows, choice, title))
+        Path(args.plot).write_text(tune_svg(rows, choice, title))
     if args.format == "json":
         doc = {"rows": [{"mode": r.capacity.mode, "capacity": r.capacity.per_endpoint, "placed": r.placed,
                          "hits": r.hits, "hit_ratio": r.hit_ratio, "false_hits": r.false_hits,
@@ -272,7 +272,7 @@ def _tune(args: argparse.Namespace) -> None:
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
     print(format_tune(rows, choice, skipped))
-    if args.plot and str(args.plot):
+    if args.plot:
         print(f"plot: {args.plot}")
 
 

@@ -94,10 +94,12 @@ async def read_topic(bootstrap_servers: str, topic: str, security: KafkaSecurity
                                 **_options(security or KafkaSecurity()))
     await consumer.start()
     found: dict[int, list[Recorded]] = {}
+    partitions = sorted(consumer.partitions_for_topic(topic) or ())
+    if not partitions:
+        await asyncio.sleep(0.1)  # a stop right after the start is cancelled inside aiokafka
+        await consumer.stop()
+        raise LookupError(f"topic {topic} not found on {bootstrap_servers}")
     try:
-        partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        if not partitions:
-            raise LookupError(f"topic {topic} not found on {bootstrap_servers}")
         tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)

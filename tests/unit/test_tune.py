@@ -1,0 +1,134 @@
+"""`mmcache tune` from a JSON-lines export: hit ratios and false hits, worked by hand.
+
+The log: one endpoint placed x(3), y(4), x, z(5), x, y (sizes in embeddings), one
+placement each. By hand, hits (the item still in the endpoint's LRU when placed again):
+
+- items mode, 1 entry: none. 2 entries: the 3rd and 5th (x). 4 entries: 3rd, 5th, 6th.
+- size mode, 7 embeddings: the 3rd only (z's 5 evicts y then x).
+- A true encoder cache of 7 (references dropped at once) holds x at the 3rd placement
+  only: so 2 entries has 1 false hit (the 5th), 4 entries 2 (5th, 6th), 1 entry misses 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+
+from stream.core.cache import Capacity
+from stream.core.events import EndpointDeleted, ItemsPlaced, Position
+from stream.core.items import Item
+from stream.sim.commands import add_commands
+from stream.sim.eventlog import Recorded, read_jsonl, write_jsonl
+from stream.sim.tune import recommend, sweep
+
+SIZES = {"x": 3, "y": 4, "z": 5}
+ORDER = ["x", "y", "x", "z", "x", "y"]
+
+
+def _records() -> list[Recorded]:
+    return [Recorded(Position(0, offset), 1_000 + offset, ItemsPlaced(
+        endpoint="ns/a", items=[Item(h, SIZES[h], "image")], request_id=f"r{offset}"))
+        for offset, h in enumerate(ORDER)]
+
+
+def _export(path: Path, records: list[Recorded]) -> Path:
+    with path.open("wb") as out:
+        write_jsonl(records, out)
+    return path
+
+
+def _run(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="mmcache")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+def test_tune_from_a_file_gives_the_hand_worked_hit_ratios_and_false_hits(tmp_path, capsys):
+    trace = _export(tmp_path / "events.jsonl", _records())
+    _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
+          "--encoder-cache-size", "7", "--plot", str(tmp_path / "t.svg"), "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    rows = {(r["mode"], r["capacity"]): r for r in doc["rows"]}
+    assert {k: r["hits"] for k, r in rows.items()} == {
+        ("items", 1): 0, ("items", 2): 2, ("items", 4): 3, ("size", 7): 1}
+    assert all(r["placed"] == 6 for r in rows.values())
+    assert rows[("items", 2)]["hit_ratio"] == pytest.approx(2 / 6)
+    assert {k: r["false_hits"] for k, r in rows.items()} == {
+        ("items", 1): 0, ("items", 2): 1, ("items", 4): 2, ("size", 7): 0}
+    assert {k: r["missed_hits"] for k, r in rows.items()} == {
+        ("items", 1): 1, ("items", 2): 0, ("items", 4): 0, ("size", 7): 0}
+    assert rows[("items", 4)]["false_hit_rate"] == pytest.approx(2 / 3)
+    # size mode at the true size agrees on every placement: no wrong answer
+    assert doc["recommended"]["mode"] == "size" and doc["recommended"]["capacity"] == 7
+    svg = (tmp_path / "t.svg").read_text()
+    assert svg.startswith("<svg") and "polyline" in svg and "recommended" in svg
+
+
+def test_the_table_marks_the_recommendation_and_names_the_flag(tmp_path, capsys):
+    trace = _export(tmp_path / "events.jsonl", _records())
+    _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
+          "--encoder-cache-size", "7", "--plot", ""])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "<- recommended" in line)
+    assert line.split()[:2] == ["size", "7"]
+    assert "recommended: --cache-size-embeddings-per-server 7" in out
+
+
+def test_without_the_true_size_the_smallest_capacity_near_the_best_is_recommended():
+    events = [(r.position, r.event) for r in _records()]
+    rows = sweep(events, [Capacity("items", n) for n in (1, 2, 4, 8)])
+    assert [r.hits for r in rows] == [0, 2, 3, 3]
+    assert all(r.false_hits is None and r.false_hit_rate is None for r in rows)
+    choice = recommend(rows)
+    assert choice.row.capacity == Capacity("items", 4)
+    assert "upper bound" in choice.reason
+
+
+def test_export_lines_round_trip_and_bare_events_and_bad_lines_are_read_as_the_worker_would(tmp_path):
+    records = _records()
+    path = _export(tmp_path / "events.jsonl", records)
+    assert read_jsonl(path) == records
+    mixed = tmp_path / "mixed.jsonl"
+    bare = orjson.dumps(ItemsPlaced(endpoint="ns/b", items=[Item("q", 1, "image")]).model_dump(
+        exclude_none=True))
+    mixed.write_bytes(bare + b"\n" + b"not json\n" + b'{"v": 1, "type": "items_placed"}\n'
+                      + orjson.dumps(EndpointDeleted(endpoint="ns/b").model_dump()) + b"\n")
+    skipped: dict[str, int] = {}
+    found = read_jsonl(mixed, skipped)
+    assert [type(r.event) for r in found] == [ItemsPlaced, EndpointDeleted]
+    assert [r.position for r in found] == [Position(0, 0), Position(0, 3)]
+    assert skipped == {"not_json": 1, "bad_schema": 1}
+
+
+def test_a_deleted_endpoint_starts_empty_in_the_index_and_in_the_true_cache():
+    events = [(r.position, r.event) for r in _records()[:2]]
+    events.append((Position(0, 2), EndpointDeleted(endpoint="ns/a")))
+    events.append((Position(0, 3), ItemsPlaced(endpoint="ns/a", items=[Item("x", 3, "image")])))
+    (row,) = sweep(events, [Capacity("items", 8)], truth_size=100)
+    assert row.hits == 0 and row.false_hits == 0 and row.missed_hits == 0
+
+
+def test_tune_refuses_without_a_source_or_with_no_placements(tmp_path, monkeypatch):
+    monkeypatch.delenv("MMCACHE_BOOTSTRAP_SERVERS", raising=False)
+    with pytest.raises(SystemExit, match="--bootstrap-servers"):
+        _run(["tune", "--plot", ""])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no placements"):
+        _run(["tune", "--input", str(empty), "--plot", ""])
+    with pytest.raises(SystemExit, match="--items"):
+        _run(["tune", "--input", str(empty), "--items", "a,b", "--plot", ""])
+
+
+def test_simulate_replays_an_exported_trace(tmp_path, capsys):
+    trace = _export(tmp_path / "events.jsonl", _records())
+    _run(["simulate", "--trace", str(trace), "--servers", "2", "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    # 6 requests of one item each; with one server's worth of items, every policy sees hits
+    assert set(doc["policies"]) >= {"random", "index", "oracle"}
+    assert all(0.0 <= p["hit_ratio"] <= 1.0 for p in doc["policies"].values())
