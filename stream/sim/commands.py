@@ -44,6 +44,9 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
                      "index per replica, the shared index (index, index-size) is one for all")
     sim.add_argument("--requests", type=int, default=100_000, help="requests to simulate")
     sim.add_argument("--seed", type=int, default=1, help="seed of every random draw")
+    sim.add_argument("--runs", type=int, default=1,
+                     help="runs with seeds --seed, --seed+1, ...; figures are then means, the table "
+                     "gives each with its spread (half the range over the runs)")
     sim.add_argument("--policies", default=",".join(POLICIES),
                      help=f"comma-separated policies, of: {', '.join(POLICIES)}")
     sim.add_argument("--encoder-cache-size", type=int, default=DEFAULT_ENCODER_CACHE_SIZE,
@@ -81,8 +84,10 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.set_defaults(run=_simulate)
 
 
-def run_simulation(args: argparse.Namespace) -> dict[str, PolicyResult]:
-    """Every asked policy over the same requests, from parsed ``simulate`` arguments."""
+def run_simulation(args: argparse.Namespace, seed: int | None = None) -> dict[str, PolicyResult]:
+    """Every asked policy over the same requests, from parsed ``simulate`` arguments (with
+    ``seed`` instead of ``args.seed`` when given)."""
+    seed = args.seed if seed is None else seed
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -95,49 +100,88 @@ def run_simulation(args: argparse.Namespace) -> dict[str, PolicyResult]:
 
         records = read_jsonl(args.trace)
         requests = requests_from_trace(placements(records), args.replicas, args.rate * args.servers,
-                                       args.decode_s, args.seed)[: args.requests]
+                                       args.decode_s, seed)[: args.requests]
     else:
         requests = generate(WorkloadSpec(
             requests=args.requests, rate=args.rate * args.servers, catalogue=args.catalogue,
             zipf=args.zipf, min_items=args.min_items, max_items=args.max_items,
-            decode_s=args.decode_s, replicas=args.replicas, seed=args.seed))
+            decode_s=args.decode_s, replicas=args.replicas, seed=seed))
     items = args.index_items or Capacity.from_params(args.cache_size_mb_per_server).per_endpoint
     fleet = FleetSpec(
         servers=args.servers, slots=args.slots, encoder_cache_size=args.encoder_cache_size,
         budget=args.encoder_budget or 0, encode_s=args.encode_ms_per_1k / 1e6,
         prefill_s=args.prefill_ms_per_1k / 1e6, index_items=items,
         index_embeddings=args.index_embeddings or args.encoder_cache_size)
-    return {p: simulate(requests, fleet, p, seed=args.seed, replicas=args.replicas) for p in policies}
+    return {p: simulate(requests, fleet, p, seed=seed, replicas=args.replicas) for p in policies}
 
 
-def format_simulation(results: dict[str, PolicyResult]) -> str:
-    """The terminal table."""
-    head = (f"{'policy':<13}{'hit items':>10}{'hit emb':>9}{'emb saved':>13}{'imbalance':>10}"
-            f"{'latency s':>10}{'precision':>10}{'recall':>8}")
+# (title, attribute, digits, extra width for big numbers)
+_COLUMNS = (("hit items", "hit_ratio", 3, 0), ("hit emb", "hit_ratio_embeddings", 3, 0),
+            ("emb saved", "embeddings_hit", 0, 4), ("imbalance", "imbalance", 3, 0),
+            ("latency s", "mean_latency_s", 2, 0), ("precision", "precision", 3, 0),
+            ("recall", "recall", 3, 0))
+
+
+def format_simulation(runs: Sequence[dict[str, PolicyResult]]) -> str:
+    """The terminal table: one row per policy, each figure the mean over the runs, with
+    its spread (half the range) when there are several."""
+    several = len(runs) > 1
+    width = 15 if several else 11
+    head = f"{'policy':<13}" + "".join(f"{title:>{width + extra * (1 + several)}}"
+                                       for title, _, _, extra in _COLUMNS)
     lines = [head, "-" * len(head)]
-    for name, r in results.items():
-        lines.append(f"{name:<13}{r.hit_ratio:>10.3f}{r.hit_ratio_embeddings:>9.3f}{r.embeddings_hit:>13,}"
-                     f"{r.imbalance:>10.3f}{r.mean_latency_s:>10.2f}{_opt(r.precision):>10}"
-                     f"{_opt(r.recall):>8}")
-    refused = sum(r.refused for r in results.values())
+    for name in runs[0]:
+        cells = []
+        for _, attribute, digits, extra in _COLUMNS:
+            cell = width + extra * (1 + several)
+            values = [getattr(run[name], attribute) for run in runs]
+            if values[0] is None:
+                cells.append(f"{'-':>{cell}}")
+                continue
+            mean = sum(values) / len(values)
+            text = f"{mean:,.{digits}f}"
+            if several:
+                text += f" ±{(max(values) - min(values)) / 2:,.{digits}f}"
+            cells.append(f"{text:>{cell}}")
+        lines.append(f"{name:<13}" + "".join(cells))
+    refused = sum(r.refused for run in runs for r in run.values())
     if refused:
         lines.append(f"({refused} requests refused in all: an item over the per-step encoder budget)")
     return "\n".join(lines)
 
 
+def _mean_summary(runs: Sequence[dict[str, PolicyResult]]) -> dict[str, dict[str, float | int | None]]:
+    """The JSON figures, means over the runs (null where a figure does not apply)."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name in runs[0]:
+        summaries = [run[name].summary() for run in runs]
+        figures: dict[str, float | int | None] = {}
+        for key, first in summaries[0].items():
+            if first is None:
+                figures[key] = None
+            else:
+                mean = sum(s[key] for s in summaries) / len(summaries)  # type: ignore[misc]
+                figures[key] = round(mean) if isinstance(first, int) else mean
+        out[name] = figures
+    return out
+
+
 def _simulate(args: argparse.Namespace) -> None:
+    if args.runs < 1:
+        raise SystemExit("simulate: --runs must be at least 1")
     started = time.monotonic()
-    results = run_simulation(args)
+    runs = [run_simulation(args, args.seed + n) for n in range(args.runs)]
     if args.format == "json":
-        doc = {"policies": {name: r.summary() for name, r in results.items()}}
+        doc = {"policies": _mean_summary(runs)}
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
-    requests = next(iter(results.values())).requests if results else 0
+    requests = next(iter(runs[0].values())).requests if runs[0] else 0
+    seeds = f"seed {args.seed}" if args.runs == 1 else f"seeds {args.seed}..{args.seed + args.runs - 1}"
     print(f"{requests:,} requests, {args.servers} servers (encoder cache {args.encoder_cache_size:,} "
-          f"embeddings), {args.replicas} gateway replicas, seed {args.seed}; index capacity "
+          f"embeddings), {args.replicas} gateway replicas, {seeds}; index capacity "
           f"{args.index_items or Capacity.from_params(args.cache_size_mb_per_server).per_endpoint:,} items, "
           f"index-size {args.index_embeddings or args.encoder_cache_size:,} embeddings")
-    print(format_simulation(results))
+    print(format_simulation(runs))
     print(f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
 
 
