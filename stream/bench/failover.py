@@ -301,8 +301,10 @@ def stop_all(workers: list[Worker]) -> None:
 
 
 def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
-                   after_kill_s: float = 0.5, log: Callable[[str], None] = print) -> Takeover:
-    """One trial as the module docstring says; every process it starts is stopped."""
+                   after_kill_s: float = 0.5, log: Callable[[str], None] = print,
+                   sig: signal.Signals = signal.SIGKILL) -> Takeover:
+    """One trial as the module docstring says (``sig`` SIGTERM: a clean stop, as in a
+    rolling update, instead of ``kill -9``); every process it starts is stopped."""
     app_id = f"failover-{uuid.uuid4().hex[:10]}"
     workers = start_group(bootstrap, app_id, root, 2)
     survivor, victim = workers
@@ -311,7 +313,7 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
     try:
         traffic.start()
         time.sleep(steady_s)
-        victim.process.send_signal(signal.SIGKILL)
+        victim.process.send_signal(sig)
         t0 = time.monotonic()
         traffic.stop_placing([survivor.port])
         sampler = DigestSampler(survivor.port, t0)
@@ -345,29 +347,32 @@ def spread(values: list[float]) -> str:
             f"{len(values)} runs)")
 
 
-def failover_figures(bootstrap: str, runs: int) -> list[Figure]:
+def failover_figures(bootstrap: str, runs: int,
+                     sig: signal.Signals = signal.SIGKILL) -> list[Figure]:
     """``runs`` trials; the median takeover time with its spread, and the counts."""
     trials = []
     for run in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
-            trials.append(takeover_trial(bootstrap, Path(tmp),
+            trials.append(takeover_trial(bootstrap, Path(tmp), sig=sig,
                                          log=lambda line, r=run: print(f"run {r + 1}: {line}")))
+    how = "kill -9" if sig == signal.SIGKILL else f"{sig.name}"
+    suffix = "" if sig == signal.SIGKILL else f"_{sig.name.lower()}"
     times = [t.takeover_s for t in trials if t.takeover_s is not None]
     lost = sum(t.placements_acked - t.placements_found for t in trials)
     errors = sum(len(t.match_errors) for t in trials)
     equal = sum(t.live_digest == t.replay_digest for t in trials)
-    note = (f"2 workers, kill -9 of one under ~100 placements/s and ~100 matches/s; "
+    note = (f"2 workers, {how} of one under ~100 placements/s and ~100 matches/s; "
             f"{spread(times) if times else 'never equal'}; acked placements lost {lost}, "
             f"match errors {errors}, live == replay in {equal}/{runs}"
             + ("; some runs at the after-kill floor" if any(t.floored for t in trials) else ""))
-    figures = [Figure("failover_takeover_kill_to_replay_equal",
+    figures = [Figure(f"failover_takeover_kill_to_replay_equal{suffix}",
                       round(statistics.median(times), 2) if times else -1.0, "s",
                       "every run converges; 0 acknowledged placements lost; 0 match errors",
                       len(times) == runs and lost == 0 and errors == 0 and equal == runs,
                       note=note)]
     lags = [t.lag_zero_s for t in trials if t.lag_zero_s is not None]
     if lags:
-        figures.append(Figure("failover_kill_to_survivor_lag_zero",
+        figures.append(Figure(f"failover_kill_to_survivor_lag_zero{suffix}",
                               round(statistics.median(lags), 2), "s", "reported", True,
                               note=spread(lags)))
     return figures
@@ -378,9 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m stream.bench.failover",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
+                        help="how the victim stops: kill -9, or a clean SIGTERM")
     parser.add_argument("--bootstrap-servers", help="a cluster instead of an embedded broker")
     args = parser.parse_args(argv)
-    _print_figures(args.bootstrap_servers, lambda b: failover_figures(b, args.runs))
+    sig = signal.Signals[f"SIG{args.signal}"]
+    _print_figures(args.bootstrap_servers, lambda b: failover_figures(b, args.runs, sig))
 
 
 def _print_figures(bootstrap: str | None, measure: Callable[[str], list[Figure]]) -> None:

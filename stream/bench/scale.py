@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import shutil
 import statistics
 import tempfile
 import time
@@ -83,13 +85,17 @@ def _mib(value: float) -> float:
 
 
 def scale_figures(bootstrap: str, events: int = 600_000, cycles: int = 2, rate: float = 500,
-                  seconds: int = 5, after_kill_s: float = 0.5) -> list[Figure]:
-    """Every figure of the module docstring, for 3 workers."""
+                  seconds: int = 5, after_kill_s: float = 0.5,
+                  keep: Path | None = None) -> list[Figure]:
+    """Every figure of the module docstring, for 3 workers (their data dirs and logs
+    under ``keep`` when given, else in a temporary dir)."""
     app_id = f"scale-{uuid.uuid4().hex[:10]}"
     topic = f"{app_id}-events"
     figures: list[Figure] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        root = Path(tempfile.mkdtemp(prefix="scale-", dir=keep))
+        if keep is None:
+            cleanup.callback(shutil.rmtree, root, ignore_errors=True)
         started = time.monotonic()
         asyncio.run(produce_placements(bootstrap, topic, events))
         produced = time.monotonic() - started
@@ -210,10 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=600_000)
     parser.add_argument("--cycles", type=int, default=2)
     parser.add_argument("--rate", type=float, default=500, help="paced match load, req/s")
+    parser.add_argument("--keep", type=Path, help="keep the data dirs and logs under this dir")
     parser.add_argument("--bootstrap-servers", help="a cluster instead of an embedded broker")
     args = parser.parse_args(argv)
-    _print_figures(args.bootstrap_servers,
-                   lambda b: scale_figures(b, args.events, args.cycles, args.rate))
+    _print_figures(args.bootstrap_servers, lambda b: scale_figures(
+        b, args.events, args.cycles, args.rate, keep=args.keep))
 
 
 if __name__ == "__main__":
