@@ -85,11 +85,10 @@ class EventLogProbe(mode.Service):
         """Read the end offsets once, then the first missing event's time where needed."""
         consumer = self._consumer
         assert consumer is not None
-        ends = await consumer.end_offsets(self.tps)
-        self.ends = {tp.partition: offset for tp, offset in ends.items()}
-        self.samples += 1
+        read = await consumer.end_offsets(self.tps)
+        ends = {tp.partition: offset for tp, offset in read.items()}
         applied = self.applied()
-        for partition, end in self.ends.items():
+        for partition, end in ends.items():
             first = applied.get(partition, -1) + 1
             if first >= end:
                 self.first_missing.pop(partition, None)
@@ -99,6 +98,9 @@ class EventLogProbe(mode.Service):
                 found = await self._timestamp_at(partition, first)
                 if found is not None:
                     self.first_missing[partition] = found
+        # published after the times, so that a lag is never shown without its staleness
+        self.ends = ends
+        self.samples += 1
 
     async def _timestamp_at(self, partition: int, offset: int) -> tuple[int, float] | None:
         """The (offset, timestamp) of the first record at or after ``offset``."""
