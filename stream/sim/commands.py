@@ -13,7 +13,7 @@ import orjson
 
 from stream.core.cache import DEFAULT_CACHE_MB, MB_PER_ITEM, Capacity
 from stream.sim.fleet import DEFAULT_ENCODER_CACHE_SIZE, POLICIES, FleetSpec, PolicyResult, simulate
-from stream.sim.workload import WorkloadSpec, generate, requests_from_trace
+from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
 
 __all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation"]
 
@@ -80,11 +80,16 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.add_argument("--trace", type=Path, default=None,
                      help="replay recorded placements (the JSON lines of 'mmcache export') instead of "
                      "the synthetic workload; their timestamps give the arrivals")
+    sim.add_argument("--write-trace", type=Path, default=None,
+                     help="write the placements the first policy made (first run) as 'mmcache export' "
+                     "JSON lines, keyed and partitioned as the service would (8 partitions): input for "
+                     "'mmcache tune --input'")
     sim.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     sim.set_defaults(run=_simulate)
 
 
-def run_simulation(args: argparse.Namespace, seed: int | None = None) -> dict[str, PolicyResult]:
+def run_simulation(args: argparse.Namespace, seed: int | None = None,
+                   placed: list[tuple[str, Request]] | None = None) -> dict[str, PolicyResult]:
     """Every asked policy over the same requests, from parsed ``simulate`` arguments (with
     ``seed`` instead of ``args.seed`` when given)."""
     seed = args.seed if seed is None else seed
@@ -112,7 +117,8 @@ def run_simulation(args: argparse.Namespace, seed: int | None = None) -> dict[st
         budget=args.encoder_budget or 0, encode_s=args.encode_ms_per_1k / 1e6,
         prefill_s=args.prefill_ms_per_1k / 1e6, index_items=items,
         index_embeddings=args.index_embeddings or args.encoder_cache_size)
-    return {p: simulate(requests, fleet, p, seed=seed, replicas=args.replicas) for p in policies}
+    return {p: simulate(requests, fleet, p, seed=seed, replicas=args.replicas,
+                        placed=placed if n == 0 else None) for n, p in enumerate(policies)}
 
 
 # (title, attribute, digits, extra width for big numbers)
@@ -170,7 +176,10 @@ def _simulate(args: argparse.Namespace) -> None:
     if args.runs < 1:
         raise SystemExit("simulate: --runs must be at least 1")
     started = time.monotonic()
-    runs = [run_simulation(args, args.seed + n) for n in range(args.runs)]
+    placed: list[tuple[str, Request]] | None = [] if args.write_trace is not None else None
+    runs = [run_simulation(args, args.seed + n, placed if n == 0 else None) for n in range(args.runs)]
+    if placed is not None:
+        _write_trace(args.write_trace, placed)
     if args.format == "json":
         doc = {"policies": _mean_summary(runs)}
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
@@ -183,6 +192,23 @@ def _simulate(args: argparse.Namespace) -> None:
           f"index-size {args.index_embeddings or args.encoder_cache_size:,} embeddings")
     print(format_simulation(runs))
     print(f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
+
+
+def _write_trace(path: Path, placed: Sequence[tuple[str, Request]], partitions: int = 8) -> None:
+    from stream.core.events import ItemsPlaced, Position
+    from stream.core.routing import key_partition
+    from stream.sim.eventlog import Recorded, write_jsonl
+
+    offsets = [0] * partitions
+    records = []
+    for endpoint, request in placed:
+        partition = key_partition(endpoint.encode(), partitions)
+        event = ItemsPlaced(endpoint=endpoint, items=list(request.items), request_id=f"sim-{request.id}")
+        stamp = round(request.arrival * 1000)
+        records.append(Recorded(Position(partition, offsets[partition]), stamp, event))
+        offsets[partition] += 1
+    with path.open("wb") as out:
+        write_jsonl(records, out)
 
 
 def _opt(value: float | None) -> str:

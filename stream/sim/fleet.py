@@ -169,8 +169,10 @@ class _Index:
 
 
 def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: int = 1,
-             replicas: int = 3, on_request: Callable[[int], None] | None = None) -> PolicyResult:
-    """Run ``requests`` through the fleet under ``policy``; deterministic in its inputs."""
+             replicas: int = 3, on_request: Callable[[int], None] | None = None,
+             placed: list[tuple[str, Request]] | None = None) -> PolicyResult:
+    """Run ``requests`` through the fleet under ``policy``; deterministic in its inputs.
+    Each routing decision is appended to ``placed`` (endpoint, request) when given."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
     names = fleet.names
@@ -280,6 +282,8 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
                 result.false_negatives += len(actual) - hit
             index_view.place(names[chosen], items)
         result.requests += 1
+        if placed is not None:
+            placed.append((names[chosen], request))
         servers[chosen].enqueue(request, now)
         start_ready(chosen, now)
         if on_request is not None and done % 1024 == 1023:

@@ -24,9 +24,10 @@ def tune_svg(rows: Sequence[TuneRow], recommendation: Recommendation, title: str
     panels = [(mode, sorted(group, key=lambda r: r.capacity.per_endpoint))
               for mode, group in panels if group]
     width = _W * len(panels)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{_H + 40}" '
-             f'viewBox="0 0 {width} {_H + 40}" font-family="sans-serif" font-size="11">',
-             f'<rect width="{width}" height="{_H + 40}" fill="white"/>',
+    height = _H + 60
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
              f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>']
     for index, (mode, group) in enumerate(panels):
         parts.append(_panel(index * _W, 20, mode, group, recommendation))
@@ -37,8 +38,8 @@ def tune_svg(rows: Sequence[TuneRow], recommendation: Recommendation, title: str
         parts.append(f'<line x1="170" y1="{legend_y}" x2="194" y2="{legend_y}" stroke="#c0392b" '
                      f'stroke-width="2" stroke-dasharray="5,3"/>'
                      f'<text x="198" y="{legend_y + 4}">false-hit rate (vs true cache)</text>')
-    parts.append(f'<circle cx="{width - 190}" cy="{legend_y}" r="5" fill="none" stroke="#27ae60" '
-                 f'stroke-width="2"/><text x="{width - 180}" y="{legend_y + 4}">recommended: '
+    parts.append(f'<circle cx="32" cy="{legend_y + 20}" r="5" fill="none" stroke="#27ae60" '
+                 f'stroke-width="2"/><text x="48" y="{legend_y + 24}">recommended: '
                  f'{escape(_label(recommendation.row))}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
