@@ -132,3 +132,19 @@ def test_simulate_replays_an_exported_trace(tmp_path, capsys):
     # 6 requests of one item each; with one server's worth of items, every policy sees hits
     assert set(doc["policies"]) >= {"random", "index", "oracle"}
     assert all(0.0 <= p["hit_ratio"] <= 1.0 for p in doc["policies"].values())
+
+
+def test_a_trace_written_by_simulate_is_read_by_tune_with_every_placed_item(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    _run(["simulate", "--requests", "300", "--servers", "4", "--policies", "index",
+          "--write-trace", str(trace), "--format", "json"])
+    capsys.readouterr()
+    records = read_jsonl(trace)
+    assert len(records) == 300
+    by_partition: dict[int, list[int]] = {}
+    for record in records:
+        by_partition.setdefault(record.position.partition, []).append(record.position.offset)
+    assert all(offsets == list(range(len(offsets))) for offsets in by_partition.values())
+    _run(["tune", "--input", str(trace), "--items", "4", "--plot", "", "--format", "json"])
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["placed"] == sum(len(r.event.items) for r in records)
