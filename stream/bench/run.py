@@ -16,7 +16,7 @@ from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
-__all__ = ["SCENARIOS", "render_table", "run"]
+__all__ = ["LEGEND", "SCENARIOS", "refuse_quick_over_full", "render_table", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +75,40 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
 }
 
 
+LEGEND = (
+    "Columns: **figure** what was measured; **value** the measurement in its unit (medians "
+    "over the runs); **control** the same measurement of a baseline in the same run (same "
+    "unit), when there is one; **ratio** value / control; **target** what the figure must "
+    "reach; **pass** `yes` when the value meets the target, `NO` when it does not (the run "
+    "still completes: NO marks a regression to look at, not a failed run); **what it "
+    "means** the figure's own note. A `--quick` run uses reduced sizes: its figures are not "
+    "comparable with a full run's and it is written to `bench/quick.json`, never over the "
+    "full results."
+)
+
+
 def render_table(figures: list[Figure]) -> str:
-    """A Markdown table of the figures."""
-    lines = ["| figure | value | control | ratio | target | pass |",
-             "|---|---|---|---|---|---|"]
+    """A Markdown table of the figures, followed by the legend of its columns."""
+    lines = ["| figure | value | control | ratio | target | pass | what it means |",
+             "|---|---|---|---|---|---|---|"]
     for f in figures:
-        control = "" if f.control is None else f"{f.control:,}"
+        control = "" if f.control is None else f"{f.control:,} {f.unit}"
         ratio = "" if f.ratio is None else f"{f.ratio}"
         lines.append(f"| {f.name} | {f.value:,} {f.unit} | {control} | {ratio} | {f.target} | "
-                     f"{'yes' if f.passed else 'NO'} |")
-    return "\n".join(lines)
+                     f"{'yes' if f.passed else 'NO'} | {f.note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n\n" + LEGEND
+
+
+def refuse_quick_over_full(out: Path) -> None:
+    """A ``--quick`` run never replaces the results of a full run."""
+    if out.exists():
+        try:
+            previous = orjson.loads(out.read_bytes())
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(previous, dict) and previous.get("quick") is False:
+            raise SystemExit(f"--quick would overwrite the full results in {out}: give another "
+                             "--out (the default for --quick is bench/quick.json)")
 
 
 def run(out: Path, quick: bool = False, only: list[str] | None = None,
@@ -93,6 +117,8 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
 
     ``scale`` shrinks every size to that share of the full run (for the bench's own test).
     """
+    if quick:
+        refuse_quick_over_full(out)
     names = only or list(SCENARIOS)
     figures: list[Figure] = []
     broker = None if bootstrap else EmbeddedBroker().start()
