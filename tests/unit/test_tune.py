@@ -145,6 +145,8 @@ def test_a_trace_written_by_simulate_is_read_by_tune_with_every_placed_item(tmp_
     for record in records:
         by_partition.setdefault(record.position.partition, []).append(record.position.offset)
     assert all(offsets == list(range(len(offsets))) for offsets in by_partition.values())
-    _run(["tune", "--input", str(trace), "--items", "4", "--plot", "", "--format", "json"])
-    (row,) = json.loads(capsys.readouterr().out)["rows"]
-    assert row["placed"] == sum(len(r.event.items) for r in records)
+    _run(["tune", "--input", str(trace), "--items", "4", "--embeddings", "8192", "--plot", "",
+          "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["mode"], r["capacity"]) for r in rows] == [("items", 4), ("size", 8192)]
+    assert all(r["placed"] == sum(len(rec.event.items) for rec in records) for r in rows)
