@@ -170,3 +170,28 @@ def test_readyz_stays_200_and_no_match_is_lost_while_a_second_worker_joins(make_
     assert counts["not_ready"] == 0
     assert counts["fewer"] == 0
     assert all(matched(second, e, h) == 8 for e, h in items.items())
+
+
+def test_a_follower_of_a_seeded_start_has_the_owner_digest(make_service, tmp_path):
+    """A seeded start writes its changelog in key order, not recency order: a second
+    worker following it orders entries by their rank, so both digests equal the log's."""
+    import subprocess
+    import sys
+
+    source = make_service(data_dir=tmp_path / "source")
+    endpoints = endpoints_in(set(range(PARTITIONS)), 1, "seed")
+    for endpoint in endpoints:  # recency order differs from key order: z..., then a...
+        place(source, endpoint, ["z-first", "m-second", "a-last"])
+    eventually(lambda: all(matched(source, e, ["a-last"]) == 1 for e in endpoints), timeout=20)
+    final = source.digest()
+    seeded = tmp_path / "seeded"
+    topic = f"{source.app_id}-events"
+    app = f"{source.app_id}-seeded"
+    subprocess.run([sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers",
+                    source.bootstrap, "--data-dir", str(seeded), "--app-id", app, "--topic", topic],
+                   check=True, capture_output=True, timeout=60)
+    owner = make_service(app_id=app, data_dir=seeded, extra=["--topic", topic])
+    assert owner.digest() == final
+    follower = make_service(app_id=app, data_dir=tmp_path / "follower", extra=["--topic", topic])
+    eventually(lambda: settled(owner, follower), timeout=40)
+    eventually(lambda: follower.digest() == owner.digest() == final, timeout=20)
