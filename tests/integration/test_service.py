@@ -125,10 +125,10 @@ def test_bad_requests_are_refused_and_change_nothing(service: Service) -> None:
         ("/v1/match", b'{"endpoints": "x", "body": {}}', 400, "endpoints"),
         ("/v1/match", b'{"endpoints": ["a"], "body": {"chat_completions": {"messages": [{"content": [{"type": "image_url", "image_url": {}}]}]}}}', 400, "body.chat_completions.messages[0].content[0].image_url.url"),
         ("/v1/placements", b'{"endpoints": [], "items": [{"hash": "h", "size": 1, "modality": "image"}]}', 400, "endpoints"),
-        ("/v1/placements", b'{"endpoints": ["a"], "items": [{"hash": "h", "size": 0, "modality": "image"}]}', 400, "items.0.size"),
+        ("/v1/placements", b'{"endpoints": ["a"], "items": [{"hash": "h", "size": 0, "modality": "image"}]}', 400, "items[0].size"),
         ("/v1/placements", b'{"endpoints": ["a"]}', 400, "items"),
         ("/v1/placements", b'{"endpoints": ["a"], "items": [{"hash": "' + b"h" * 257 + b'", "size": 1, "modality": "image"}]}', 400, "max_hash_chars"),
-        ("/v1/placements", b'{"endpoints": ["' + b"e" * 254 + b'"], "items": []}', 400, "endpoints.0"),
+        ("/v1/placements", b'{"endpoints": ["' + b"e" * 254 + b'"], "items": []}', 400, "endpoints[0]"),
         ("/v1/endpoint-events", b'{"type": "renamed", "endpoint": "a"}', 400, "type"),
         ("/v1/endpoint-events", b'{"type": "deleted"}', 400, "endpoint"),
     ]
