@@ -14,6 +14,7 @@ staleness is the age of the oldest of them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from typing import Protocol
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from stream.api_models import ReadinessBody
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LogEnds", "Readiness", "ViewLag", "caught_up", "decide", "view_lag"]
 
@@ -125,6 +128,8 @@ class Readiness:
                 self._target = dict(ends.ends)  # fixed: steady traffic must not outrun it
             if self._target is not None and caught_up(self._target, self.applied()):
                 self.ready_once = True
+                log.info("ready: the view is loaded and caught up with the event log, "
+                         "/v1/match answers from it")
         return decide(self.ready_once, self.lag(), self.max_lag_events)
 
     def collect(self) -> Iterator[Metric]:

@@ -87,7 +87,8 @@ class HttpService(mode.Service):
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.tls).start()
         writes, matches = self.api.write_tokens, self.api.match_tokens
-        log.info("HTTP API on %s://%s:%d; auth for writes and /v1/state: %s; auth for /v1/match: %s",
+        log.info("HTTP API on %s://%s:%d (not ready yet: loading the view; /readyz says when); "
+                 "auth for writes and /v1/state: %s; auth for /v1/match: %s",
                  "https" if self.tls else "http", self.host, self.port,
                  f"on ({len(writes)} tokens)" if writes else "off",
                  f"on ({len(matches)} tokens)" if matches else "off")
