@@ -65,8 +65,10 @@ from faust.types import TP
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
+from stream.kafka.coordinator import LostMembership, confirm_membership, generation_of
+
 __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
-           "check_versions", "install", "plan_batch"]
+           "check_versions", "confirm_owner", "install", "owner_generation", "plan_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ CONSUMER_PRIVATE = (
     "_unacked_messages",     # what ``wait_empty`` waits for on a revocation or stop
     "_waiting_for_ack",      # the future ``wait_empty`` sleeps on; ``notify``-ed on acks
     "_stopped",              # mode ``Service``: the drain ends when it is set
+    "_thread",               # the consumer thread owning aiokafka's consumer (``confirm_owner``)
 )
 #: The public-looking but undocumented names used besides: the consumer's, the app's
 #: (as ``app.<name>``) and the module-level ones imported below.
@@ -190,6 +193,28 @@ def check_versions(installed: Callable[[str], str] | None = None) -> None:
                            f"{', '.join(f'{n}=={v}' for n, v in PINNED.items())}; installed: "
                            f"{described}. Install the pinned releases, or re-read their "
                            f"consumer and service internals before changing the pins.")
+
+
+def owner_generation(app: faust.App) -> int:
+    """The consumer group generation this worker is a member of now: taken by the batch
+    handler when it starts, for ``confirm_owner``."""
+    return generation_of(app.consumer._thread._ensure_consumer())  # type: ignore[attr-defined]
+
+
+async def confirm_owner(app: faust.App, generation: int, tp: TP, *, ask: bool = True) -> None:
+    """Return once the group coordinator confirmed that this worker is still a member of
+    ``generation`` (the one its batch in flight was handed over in) and ``tp`` is still
+    assigned to it; raise ``LostMembership`` if not. Called by the batch handler right
+    before it writes a batch's changelog records: a zombie owner stops instead of writing
+    after the new owner (``stream.kafka.coordinator``). aiokafka's consumer lives on
+    Faust's consumer thread, so the question is asked there; ``ask=False`` checks only
+    the assignment, which needs no round trip."""
+    if tp not in app.consumer.assignment():
+        raise LostMembership(f"{tp.topic}[{tp.partition}] is no longer assigned to this worker")
+    if not ask:
+        return
+    thread = app.consumer._thread  # type: ignore[attr-defined]
+    await thread.call_thread(confirm_membership, thread._ensure_consumer(), generation)
 
 
 def check_consumer(consumer: Any) -> None:

@@ -22,11 +22,13 @@ from typing import Any
 import faust
 import mode
 from aiohttp import web
+from faust.types import TP
 
 from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.datadir import TABLE_NAME
+from stream.faust_batches import confirm_owner, owner_generation
 from stream.faust_batches import install as install_batch_path
 from stream.follower import ChangelogFollower
 from stream.http_api import HttpApi
@@ -119,9 +121,11 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "key_serializer": "raw",
         "value_serializer": "raw",
         "producer_acks": -1,
-        # the changelog is written asynchronously and flushed before every commit:
-        # batching its records costs no correctness and saves a request per record
-        "producer_linger": 0.005,
+        # the changelog's records go out as whole record batches built by TableMirror, so a
+        # linger only delays them: and every millisecond a sent batch waits to be written
+        # is a window in which a frozen, then resumed, owner writes after its successor
+        # (stream.kafka.coordinator)
+        "producer_linger": 0.0,
         "producer_max_batch_size": 1024 * 1024,
         "consumer_auto_offset_reset": "earliest",
         "broker_max_poll_records": MAX_POLL_RECORDS,
@@ -182,7 +186,16 @@ def build_worker(
         await mirror.flush()  # returns once the changelog holds the batch: then it is acked
 
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
+        # A worker resumed after its session expired must not write after the new owner:
+        # ownership is checked when the batch arrives (a batch fetched before a freeze may
+        # be handed over after the rejoin) and again right before its records are written
+        # (a freeze in the middle of the batch); either raises, and the worker stops with
+        # nothing of the batch written or acknowledged.
+        tp = TP(settings.events_topic, partition)
+        generation = owner_generation(app)
+        await confirm_owner(app, generation, tp, ask=False)
         keeper.apply_batch(partition, records)
+        await confirm_owner(app, generation, tp)
         await flush()
 
     install_batch_path(app, {settings.events_topic: apply_batch})
