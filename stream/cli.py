@@ -35,6 +35,7 @@ from stream.config import (
 )
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import install_repeat_filter
+from stream.sim.commands import add_commands as add_sim_commands
 
 __all__ = ["effective_configuration", "main"]
 
@@ -515,7 +516,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="use this cluster instead of an embedded broker (default: embedded)")
     _add_debug(bench)
     bench.set_defaults(run=_bench)
-    # Commands added by other modules register here (add their subparsers to `commands`).
+    add_sim_commands(commands)  # simulate, tune, export
     return parser
 
 

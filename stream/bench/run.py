@@ -65,6 +65,19 @@ def _state_poll(bootstrap: str, quick: bool, scale: float | None) -> list[Figure
                               3 if scale else 4 if quick else 10, 1 if scale or quick else 5)
 
 
+def _failover(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.failover import failover_figures
+
+    return failover_figures(bootstrap, 1 if quick or scale else 5)
+
+
+def _scale3(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.scale import scale_figures
+
+    return scale_figures(bootstrap, _sized(600_000, 60_000 if quick else 0, scale),
+                         1 if quick or scale else 3)
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -72,6 +85,8 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "replay": _replay,
     "restart": _restart,
     "state_poll": _state_poll,
+    "failover": _failover,
+    "scale3": _scale3,
 }
 
 
