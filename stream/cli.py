@@ -240,6 +240,12 @@ def _serve(args: argparse.Namespace) -> None:
             raise SystemExit(f"configuration error: {exc}") from None
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog_topic(settings.app_id)))
+        if resolved.capacity_source == "default":
+            log.warning("capacity is the Go plugin's default guess (%d items per endpoint), far "
+                        "more than a vLLM encoder cache holds (encoder_cache_size embeddings, "
+                        "8,192 by default on H100-class GPUs: a handful of images); set "
+                        "--cache-size-embeddings-per-server to it when items carry sizes "
+                        "(README, 'Is the signal any good?')", settings.capacity.per_endpoint)
         if datadir.seed.exists():
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
