@@ -26,7 +26,7 @@ from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import TopicPartition
 
 from stream.core.cache import CacheState
-from stream.store import APPLIED_KEY, decode_applied, decode_change, encode_applied
+from stream.store import APPLIED_KEY, ChangelogGate, decode_applied, decode_change, encode_applied
 from stream.view_load import load_partition_into_view
 
 __all__ = ["ChangelogFollower", "Reread"]
@@ -88,6 +88,7 @@ class ChangelogFollower(mode.Service):
         self.view = view
         self.following: set[int] = set()
         self.rereads: dict[int, Reread] = {}
+        self._gates: dict[int, ChangelogGate] = {}  # per followed partition
         self.loads = 0  # re-reads loaded into the view
         self._next: dict[int, int] = {}  # next changelog offset, per followed partition
         self._consumer: AIOKafkaConsumer | None = None
@@ -136,6 +137,7 @@ class ChangelogFollower(mode.Service):
     async def _reread(self, consumer: AIOKafkaConsumer, partitions: list[int]) -> None:
         for partition in partitions:
             self.rereads[partition] = Reread()
+            self._gates[partition] = ChangelogGate()
         if partitions:
             await consumer.seek_to_beginning(*(self._tp(p) for p in partitions))
 
@@ -172,17 +174,26 @@ class ChangelogFollower(mode.Service):
             await self._reread(consumer, partitions)
 
     def _take(self, partition: int, records: list[Any]) -> None:
+        gate = self._gates.get(partition)
+        if gate is None:
+            gate = self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
+        dropped = gate.dropped
+        admitted = gate.admit((record.key, record.value) for record in records)
+        if gate.dropped > dropped:
+            log.warning("changelog partition %d: skipped %d events written again after later "
+                        "ones (a resumed zombie owner or a resent batch)", partition,
+                        gate.dropped - dropped)
         reread = self.rereads.get(partition)
         if reread is not None:
-            for record in records:
-                reread.add(record.key, record.value)
+            for key, value in admitted:
+                reread.add(key, value)
         else:
             view = self.view
-            for record in records:
-                if record.key == APPLIED_KEY:
-                    view.set_applied(partition, decode_applied(record.value))
+            for key, value in admitted:
+                if key == APPLIED_KEY:
+                    view.set_applied(partition, decode_applied(value))
                     continue
-                change = decode_change(record.key, record.value)
+                change = decode_change(key, value)
                 if change is not None:
                     view.follow(partition, *change)
         if records:

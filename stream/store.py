@@ -20,6 +20,7 @@ from stream.core.cache import CacheState, Effects, Entry
 
 __all__ = [
     "APPLIED_KEY",
+    "ChangelogGate",
     "FAUST_OFFSET_KEY",
     "decode_applied",
     "decode_change",
@@ -101,6 +102,42 @@ def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[byte
     for endpoint, digest in effects.removals:
         yield entry_key(endpoint, digest), None
     yield APPLIED_KEY, encode_applied(applied_offset)
+
+
+class ChangelogGate:
+    """Passes one changelog partition's records, in log order, only for events that move
+    the partition's applied offset forward.
+
+    Every applied event's records end with its applied-offset record (``effect_records``),
+    so the records up to each applied record are one event's. A group whose applied
+    offset is not above the highest seen was written again by a worker that had applied
+    it already: a zombie owner resumed after its successor, or its producer resending a
+    batch whose request timed out while it was frozen (no idempotent producer on the
+    embedded broker). Those groups are dropped; a trailing group waits for its applied
+    record.
+    """
+
+    def __init__(self, applied: int = -1) -> None:
+        self.applied = applied
+        self.dropped = 0
+        self._held: list[tuple[bytes, bytes | None]] = []
+
+    def admit(self, records: Iterable[tuple[bytes, bytes | None]]) -> list[tuple[bytes, bytes | None]]:
+        """The records to apply, of those given (and those held from before)."""
+        passed: list[tuple[bytes, bytes | None]] = []
+        held = self._held
+        for key, value in records:
+            held.append((key, value))
+            if key != APPLIED_KEY or value is None:
+                continue
+            applied = decode_applied(value)
+            if applied > self.applied:
+                passed.extend(held)
+                self.applied = applied
+            else:
+                self.dropped += 1
+            held.clear()
+        return passed
 
 
 def write_effects(

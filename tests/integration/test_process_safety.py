@@ -300,10 +300,11 @@ def test_a_lost_broker_does_not_flood_the_log_and_sigterm_still_exits_in_time(tm
 
 
 def _repeated_problems(lines: list[str]) -> Counter[str]:
-    """WARNING and ERROR messages (mode's log format) by text, counts of repeats cut off."""
+    """WARNING and ERROR messages (the service's log format: time, level, logger, text) by
+    logger and text, counts of repeats cut off."""
     found: Counter[str] = Counter()
     for line in lines:
-        match = re.match(r"^\[[^\]]*\] \[\d+\] \[(WARNING|ERROR)\] (.*)$", line)
+        match = re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ (WARNING|ERROR) (.*)$", line)
         if match:
             found[re.sub(r" \(repeated \d+ more times in the last \d+ s\)$", "", match[2])] += 1
     return found

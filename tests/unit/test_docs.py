@@ -111,7 +111,7 @@ def test_every_flag_of_every_command_is_in_the_cli_page_and_the_other_way_round(
     assert set(sections) == set(commands)
     for name, flags in commands.items():
         table = "\n".join(line for line in sections[name].splitlines() if line.startswith("| `--"))
-        documented = set(re.findall(r"`(--[a-z-]+)`", table))
+        documented = set(re.findall(r"`(--[a-z0-9-]+)`", table))
         assert documented == flags, name
 
 

@@ -337,3 +337,22 @@ def test_write_effects_applies_upserts_then_removals_then_applied():
         entry_key("e", "new"): encode_entry(Entry("e", "new", 2, 5, 0)),
         APPLIED_KEY: encode_applied(5),
     }
+
+
+def test_changelog_gate_drops_events_written_again_after_later_ones():
+    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied
+
+    def event(offset: int, *keys: bytes) -> list[tuple[bytes, bytes | None]]:
+        return [(key, b"v%d" % offset) for key in keys] + [(APPLIED_KEY, encode_applied(offset))]
+
+    gate = ChangelogGate()
+    first = event(5, b"\x01a") + event(6, b"\x01b")
+    assert gate.admit(first) == first
+    # a zombie's (or a resent) batch of older events lands after the successor's
+    assert gate.admit(event(3, b"\x01stale") + event(4, b"\x01stale2")) == []
+    assert gate.dropped == 2
+    later = event(7, b"\x01c")
+    # an event's records split over two fetches wait for its applied record
+    assert gate.admit(later[:1]) == []
+    assert gate.admit(later[1:]) == later
+    assert gate.applied == 7
