@@ -178,7 +178,7 @@ class ChangelogFollower(mode.Service):
         if gate is None:
             gate = self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
         dropped = gate.dropped
-        admitted = gate.admit((record.key, record.value) for record in records)
+        admitted = gate.admit((r.key, r.value, (r.key, r.value)) for r in records)
         if gate.dropped > dropped:
             log.warning("changelog partition %d: skipped %d events written again after later "
                         "ones (a resumed zombie owner or a resent batch)", partition,

@@ -15,8 +15,11 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable, Iterator, MutableMapping
+from typing import Any, TypeVar
 
 from stream.core.cache import CacheState, Effects, Entry
+
+T = TypeVar("T")
 
 __all__ = [
     "APPLIED_KEY",
@@ -120,14 +123,15 @@ class ChangelogGate:
     def __init__(self, applied: int = -1) -> None:
         self.applied = applied
         self.dropped = 0
-        self._held: list[tuple[bytes, bytes | None]] = []
+        self._held: list[Any] = []
 
-    def admit(self, records: Iterable[tuple[bytes, bytes | None]]) -> list[tuple[bytes, bytes | None]]:
-        """The records to apply, of those given (and those held from before)."""
-        passed: list[tuple[bytes, bytes | None]] = []
+    def admit(self, records: Iterable[tuple[bytes, bytes | None, T]]) -> list[T]:
+        """Of the ``(key, value, item)`` given (and those held from before), the items to
+        apply, in order."""
+        passed: list[T] = []
         held = self._held
-        for key, value in records:
-            held.append((key, value))
+        for key, value, item in records:
+            held.append(item)
             if key != APPLIED_KEY or value is None:
                 continue
             applied = decode_applied(value)

@@ -6,7 +6,7 @@ that changelog.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, Protocol
 
 import faust
@@ -15,9 +15,9 @@ from faust.types import TP
 from rocksdict import WriteBatch
 
 from stream.core.cache import Effects
-from stream.store import effect_records, write_effects
+from stream.store import APPLIED_KEY, ChangelogGate, decode_applied, effect_records, write_effects
 
-__all__ = ["MappingMirror", "Mirror", "TableMirror"]
+__all__ = ["MappingMirror", "Mirror", "TableMirror", "gate_changelog_restore"]
 
 
 class Mirror(Protocol):
@@ -115,3 +115,32 @@ class _PartitionRecords:
     def sealed(self) -> list[Any]:
         """The record batches that hold records."""
         return [b for b in self.builders if b.record_count()]
+
+
+def gate_changelog_restore(table: Any) -> Callable[[], None]:
+    """Make Faust's restore of the table from its changelog skip events written again
+    after later ones (``ChangelogGate``), as the follower does, so that a worker that
+    recovers a partition after a zombie owner's resent batch does not load its stale
+    entries. Each partition's gate starts from the applied offset its file holds; the
+    returned function forgets the gates, for the next recovery."""
+    store = table.data
+    restore = store.apply_changelog_batch
+    gates: dict[int, ChangelogGate] = {}
+
+    def gate_of(partition: int) -> ChangelogGate:
+        gate = gates.get(partition)
+        if gate is None:
+            raw = store._db_for_partition(partition).get(APPLIED_KEY)
+            gate = gates[partition] = ChangelogGate(-1 if raw is None else decode_applied(raw))
+        return gate
+
+    def admitted(batch: Iterable[Any]) -> Iterator[Any]:
+        for event in batch:
+            message = event.message
+            yield from gate_of(message.partition).admit([(message.key, message.value, event)])
+
+    def apply_changelog_batch(batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
+        restore(list(admitted(batch)), to_key, to_value)
+
+    store.apply_changelog_batch = apply_changelog_batch
+    return gates.clear

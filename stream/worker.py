@@ -41,7 +41,7 @@ from stream.keeper import StateKeeper
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.readiness import Readiness
-from stream.table_mirror import MappingMirror, Mirror, TableMirror
+from stream.table_mirror import MappingMirror, Mirror, TableMirror, gate_changelog_restore
 
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
            "TableMirror", "build_worker", "faust_settings"]
@@ -170,6 +170,7 @@ def build_worker(
     metrics = Metrics(state, consumer_lag)
     metrics.registry.register(readiness)
     mirror = TableMirror(app, table)
+    forget_restore_gates = gate_changelog_restore(table)
 
     async def prepare_dead_letters() -> int:
         # normally created at start (ensure_topics); made sure of here before the first letter
@@ -212,6 +213,7 @@ def build_worker(
 
     @table.on_recover
     async def reload_view() -> None:
+        forget_restore_gates()  # the next recovery starts from the files as they are then
         # The follower lets go of the partitions now owned before the keeper loads them
         # (it starts re-reading those it now follows, aside); neither empties the view.
         nonlocal preload

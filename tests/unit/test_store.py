@@ -342,17 +342,18 @@ def test_write_effects_applies_upserts_then_removals_then_applied():
 def test_changelog_gate_drops_events_written_again_after_later_ones():
     from stream.store import APPLIED_KEY, ChangelogGate, encode_applied
 
-    def event(offset: int, *keys: bytes) -> list[tuple[bytes, bytes | None]]:
-        return [(key, b"v%d" % offset) for key in keys] + [(APPLIED_KEY, encode_applied(offset))]
+    def event(offset: int, *keys: bytes) -> list[tuple[bytes, bytes, tuple[bytes, bytes]]]:
+        records = [(key, b"v%d" % offset) for key in keys] + [(APPLIED_KEY, encode_applied(offset))]
+        return [(key, value, (key, value)) for key, value in records]
 
     gate = ChangelogGate()
     first = event(5, b"\x01a") + event(6, b"\x01b")
-    assert gate.admit(first) == first
+    assert gate.admit(first) == [item for _, _, item in first]
     # a zombie's (or a resent) batch of older events lands after the successor's
     assert gate.admit(event(3, b"\x01stale") + event(4, b"\x01stale2")) == []
     assert gate.dropped == 2
     later = event(7, b"\x01c")
     # an event's records split over two fetches wait for its applied record
     assert gate.admit(later[:1]) == []
-    assert gate.admit(later[1:]) == later
+    assert gate.admit(later[1:]) == [item for _, _, item in later]
     assert gate.applied == 7
