@@ -1,0 +1,63 @@
+"""A changelog holding events written again after later ones (what a resumed zombie
+owner's producer leaves when it resends a batch whose request timed out while it was
+frozen): a worker restoring from that changelog, and a worker following it, skip the
+stale events and hold only what the owner's fold made."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from aiokafka import AIOKafkaProducer
+
+from stream.config import Settings
+from stream.core.cache import Entry
+from stream.core.routing import key_partition
+from stream.kafka.topics import changelog_topic, ensure_topics
+from stream.store import APPLIED_KEY, encode_applied, encode_entry, entry_key
+from tests.integration.conftest import eventually, http
+
+ENDPOINT = "ns/gated"
+
+
+def _event(offset: int, *hashes: str) -> list[tuple[bytes, bytes]]:
+    """One applied event's changelog records: its entries, then its applied offset."""
+    records = [(entry_key(ENDPOINT, h), encode_entry(Entry(ENDPOINT, h, 1, offset, i)))
+               for i, h in enumerate(hashes)]
+    return [*records, (APPLIED_KEY, encode_applied(offset))]
+
+
+def _write_changelog(bootstrap: str, app_id: str) -> None:
+    async def write() -> None:
+        await ensure_topics(Settings(app_id=app_id, bootstrap_servers=bootstrap), bootstrap)
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        await producer.start()
+        try:
+            partition = key_partition(ENDPOINT.encode(), 8)
+            records = (_event(0, "h-first") + _event(1, "h-second")
+                       + _event(0, "h-stale"))  # event 0 again, after event 1
+            for key, value in records:
+                await producer.send_and_wait(changelog_topic(app_id), value, key=key,
+                                             partition=partition)
+        finally:
+            await producer.stop()
+
+    asyncio.run(write())
+
+
+def _matched(url: str) -> list[str]:
+    body = {"generate": {"features": {"mm_hashes": {"image": ["h-first", "h-second", "h-stale"]}}}}
+    answer = http("POST", url + "/v1/match", {"endpoints": [ENDPOINT], "body": body})[1]
+    return [item["hash"] for item in answer["endpoints"][0]["matched_items"]]
+
+
+def test_restore_and_follower_skip_events_written_again_after_later_ones(make_service, bootstrap, tmp_path):
+    app_id = f"it-{uuid.uuid4().hex[:10]}"
+    _write_changelog(bootstrap, app_id)
+    owner = make_service(app_id=app_id, data_dir=tmp_path / "owner")  # restores from the changelog
+    assert _matched(owner.url) == ["h-first", "h-second"]
+    follower = make_service(app_id=app_id, data_dir=tmp_path / "follower")
+    # the two split the partitions: whichever follows the endpoint's partition re-reads it
+    for service in (owner, follower):
+        eventually(lambda s=service: _matched(s.url) == ["h-first", "h-second"], timeout=30)
+    assert owner.digest() == follower.digest()
