@@ -66,6 +66,7 @@ from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
 from stream.kafka.coordinator import LostMembership, confirm_membership, generation_of
+from stream.kafka.coordinator import check_version as check_coordinator_version
 
 __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
            "check_versions", "confirm_owner", "install", "owner_generation", "plan_batch"]
@@ -168,6 +169,7 @@ def install(app: faust.App, handlers: Mapping[str, BatchHandler]) -> None:
     """
     global _original_drain
     check_versions()
+    check_coordinator_version()
     missing = [name for name in ("_drain_messages", "_wait_next_records", "_to_message", "_add_gap")
                if not callable(getattr(Consumer, name, None))]
     if missing:
@@ -343,7 +345,13 @@ class _BatchDrain:
             return
         app.monitor.track_tp_end_offset(tp, consumer.highwater(tp))
         app.monitor.stream_inbound_time[tp] = monotonic()  # for Faust's livelock warnings
-        await self.run_handler(tp, plan.records, handler)
+        try:
+            await self.run_handler(tp, plan.records, handler)
+        except LostMembership as exc:
+            # a zombie's batch: not acknowledged, redelivered to whoever owns it now; the
+            # consumer rejoins the group by itself
+            log.warning("dropped a batch of %s without acknowledging it: %s", tp, exc)
+            return
         if self.interrupted():
             return  # revoked meanwhile: redelivered after the rebalance
         if app.topics.acks_enabled_for(tp.topic):

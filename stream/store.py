@@ -108,39 +108,47 @@ def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[byte
 
 
 class ChangelogGate:
-    """Passes one changelog partition's records, in log order, only for events that move
-    the partition's applied offset forward.
+    """Passes one changelog partition's records, in log order, except those of events
+    written again after later ones.
 
-    Every applied event's records end with its applied-offset record (``effect_records``),
-    so the records up to each applied record are one event's. A group whose applied
-    offset is not above the highest seen was written again by a worker that had applied
-    it already: a zombie owner resumed after its successor, or its producer resending a
-    batch whose request timed out while it was frozen (no idempotent producer on the
-    embedded broker). Those groups are dropped; a trailing group waits for its applied
-    record.
+    Each applied event's records are its entries' upserts (each value holds the offset of
+    the event that wrote it), its removals, then its applied-offset record
+    (``effect_records``). A record of an event at or below the highest applied offset
+    seen was written again by a worker that had applied it already: a zombie owner
+    resumed after its successor, or its producer resending a batch whose request timed
+    out while it was frozen (no idempotent producer on the embedded broker). Upserts
+    and applied records tell their event themselves and pass or drop at once; removals
+    tell nothing, so they wait for their event's applied record (they are few: a seeded
+    or compacted changelog, with one applied record per partition, holds none back).
     """
 
     def __init__(self, applied: int = -1) -> None:
         self.applied = applied
         self.dropped = 0
-        self._held: list[Any] = []
+        self._removals: list[Any] = []
 
     def admit(self, records: Iterable[tuple[bytes, bytes | None, T]]) -> list[T]:
-        """Of the ``(key, value, item)`` given (and those held from before), the items to
-        apply, in order."""
+        """Of the ``(key, value, item)`` given (and removals held from before), the items
+        to apply, in order."""
         passed: list[T] = []
-        held = self._held
+        removals = self._removals
+        unpack = _VALUE.unpack_from
         for key, value, item in records:
-            held.append(item)
-            if key != APPLIED_KEY or value is None:
-                continue
-            applied = decode_applied(value)
-            if applied > self.applied:
-                passed.extend(held)
-                self.applied = applied
-            else:
-                self.dropped += 1
-            held.clear()
+            if key == APPLIED_KEY:
+                if value is None:
+                    continue
+                applied = decode_applied(value)
+                if applied > self.applied:
+                    passed.extend(removals)
+                    passed.append(item)
+                    self.applied = applied
+                else:
+                    self.dropped += 1
+                removals.clear()
+            elif value is None:
+                removals.append(item)
+            elif key[:1] != _ENTRY or unpack(value)[0] > self.applied:
+                passed.append(item)
         return passed
 
 

@@ -13,6 +13,7 @@ through ``stream.view_load``, so the view answers for every endpoint throughout;
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from stream.faust_batches import install as install_batch_path
 from stream.follower import ChangelogFollower
 from stream.http_api import HttpApi
 from stream.kafka.clients import client_options, faust_credentials
+from stream.kafka.coordinator import LostMembership
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
 from stream.kafka.publisher import EventPublisher
@@ -190,13 +192,27 @@ def build_worker(
         # A worker resumed after its session expired must not write after the new owner:
         # ownership is checked when the batch arrives (a batch fetched before a freeze may
         # be handed over after the rejoin) and again right before its records are written
-        # (a freeze in the middle of the batch); either raises, and the worker stops with
-        # nothing of the batch written or acknowledged.
+        # (a freeze in the middle of the batch); either raises, and the batch is dropped
+        # with nothing of it written or acknowledged (faust_batches), to be delivered
+        # again to whoever owns the partition now.
         tp = TP(settings.events_topic, partition)
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
+        applied_before = state.applied.get(partition)
         keeper.apply_batch(partition, records)
-        await confirm_owner(app, generation, tp)
+        try:
+            await confirm_owner(app, generation, tp)
+        except LostMembership:
+            # nothing of it is written or acknowledged: its events must not count as
+            # applied, and the recovery that follows the rejoin reloads the partition's
+            # part of the view (from the files, or the changelog if another worker owns it)
+            mirror.discard()
+            dead_letters.discard()
+            if applied_before is None:
+                state.applied.pop(partition, None)
+            else:
+                state.applied[partition] = applied_before
+            raise
         await flush()
 
     install_batch_path(app, {settings.events_topic: apply_batch})
@@ -211,19 +227,33 @@ def build_worker(
             raise RuntimeError(f"event at partition {event.message.partition} offset "
                                f"{event.message.offset} reached the agent, not the batch path")
 
+    reload_turn = asyncio.Lock()
+    recoveries = 0
+
     @table.on_recover
     async def reload_view() -> None:
-        forget_restore_gates()  # the next recovery starts from the files as they are then
-        # The follower lets go of the partitions now owned before the keeper loads them
-        # (it starts re-reading those it now follows, aside); neither empties the view.
-        nonlocal preload
-        owned = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == changelog}
+        # Faust does not cancel a recovery's callbacks when a rebalance supersedes it, so
+        # two may run at once: they take turns, and one superseded while it waited (for
+        # the preload or its turn) leaves the loading to the later one, whose assignment
+        # is current. The follower lets go of the partitions now owned before the keeper
+        # loads them (it starts re-reading those it now follows, aside); neither empties
+        # the view.
+        nonlocal preload, recoveries
+        recoveries += 1
+        this = recoveries
         first, preload = preload, None  # only the first recovery can use it
         if first is not None:
             await first.wait()
-        await follower.follow(owned, partitions)
-        await keeper.reload({p: db for p, db in table.data._dbs.items() if p in owned}, first)
-        readiness.loaded()
+        async with reload_turn:
+            if this != recoveries:
+                return
+            forget_restore_gates()  # the next recovery starts from the files as they are
+            owned = {tp.partition for tp in app.assignor.assigned_actives()
+                     if tp.topic == changelog}
+            await follower.follow(owned, partitions)
+            await keeper.reload({p: db for p, db in table.data._dbs.items() if p in owned}, first)
+            if this == recoveries:
+                readiness.loaded()
 
     publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
                                settings.max_writes_in_flight, settings.kafka)

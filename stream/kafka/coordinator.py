@@ -24,7 +24,8 @@ from typing import Any
 import aiokafka.errors as errors
 from aiokafka.protocol.group import HeartbeatRequest
 
-__all__ = ["AIOKAFKA_VERSION", "LostMembership", "confirm_membership", "generation_of"]
+__all__ = ["AIOKAFKA_VERSION", "LostMembership", "check_version", "confirm_membership",
+           "generation_of"]
 
 AIOKAFKA_VERSION = "0.14.0"
 
@@ -35,8 +36,9 @@ _LOST = (errors.UnknownMemberIdError, errors.IllegalGenerationError)
 # Still the owner: the group may be rebalancing, but until this member has been asked to
 # revoke (Faust's revocation waits for the batch in flight) its partitions are its own.
 _CURRENT = (errors.NoError, errors.RebalanceInProgressError)
-_ATTEMPTS = 3
-_RETRY_S = 0.5
+# The coordinator moved or is not known: look it up again.
+_MOVED = (errors.NotCoordinatorForGroupError, errors.GroupCoordinatorNotAvailableError)
+_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class LostMembership(RuntimeError):
@@ -44,30 +46,41 @@ class LostMembership(RuntimeError):
 
 
 def generation_of(consumer: Any) -> int:
-    """The group generation ``consumer`` (an ``AIOKafkaConsumer``) is a member of now."""
+    """The group generation ``consumer`` (an ``AIOKafkaConsumer``) is a member of now
+    (-1 once aiokafka reset it, e.g. after its session expired)."""
+    return int(consumer._coordinator.generation)
+
+
+def check_version() -> None:
+    """Refuse another aiokafka release than the one whose internals this module uses."""
     if version("aiokafka") != AIOKAFKA_VERSION:
         raise RuntimeError(f"stream.kafka.coordinator needs aiokafka=={AIOKAFKA_VERSION}")
-    return int(consumer._coordinator.generation)
 
 
 async def confirm_membership(consumer: Any, generation: int) -> None:
     """Return once the coordinator confirmed that ``consumer`` (an ``AIOKafkaConsumer``)
-    is still a member of ``generation``, the one its batch in flight was fetched in;
-    raise ``LostMembership`` when it has rejoined since or the coordinator answered that
-    the generation is stale, and the last error when the coordinator could not be asked
-    ``_ATTEMPTS`` times (to be run on the loop the consumer runs on)."""
+    is still a member of ``generation``, the one its batch in flight came in; raise
+    ``LostMembership`` when it has rejoined or been reset since, or the coordinator
+    answers that the generation is stale. Transient trouble (the coordinator moving,
+    a connection lost, the broker down) is waited out, as a changelog write waits for
+    the broker, so an outage does not stop the worker; a non-retriable error is raised.
+    To be run on the loop the consumer runs on."""
     coordinator = consumer._coordinator
-    last: Exception | None = None
-    for attempt in range(_ATTEMPTS):
+    attempt = 0
+    while True:
         if generation_of(consumer) != generation:
             raise LostMembership(f"the group coordinator no longer counts this worker in "
-                                 f"generation {generation}: it rejoined since the batch "
-                                 "was fetched")
+                                 f"generation {generation}: it was reset or rejoined since "
+                                 "the batch came")
+        if coordinator._closing.done():
+            raise LostMembership("the consumer is closing")
         request = HeartbeatRequest(coordinator.group_id, generation, coordinator.member_id)
         try:
+            await coordinator.ensure_coordinator_known()
             response = await coordinator._send_req(request)
         except errors.KafkaError as exc:
-            last = exc
+            if not exc.retriable:
+                raise
         else:
             error = errors.for_code(response.error_code)
             if error in _CURRENT:
@@ -75,8 +88,9 @@ async def confirm_membership(consumer: Any, generation: int) -> None:
             if error in _LOST:
                 raise LostMembership(f"the group coordinator no longer counts this worker "
                                      f"(generation {generation}): {error.__name__}")
-            last = error()
-        if attempt + 1 < _ATTEMPTS:
-            await asyncio.sleep(_RETRY_S)
-    assert last is not None
-    raise last
+            if error in _MOVED:
+                coordinator.coordinator_dead()
+            elif not error.retriable:
+                raise error()
+        await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+        attempt += 1

@@ -340,20 +340,32 @@ def test_write_effects_applies_upserts_then_removals_then_applied():
 
 
 def test_changelog_gate_drops_events_written_again_after_later_ones():
-    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied
+    from stream.core.cache import Entry
+    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
 
-    def event(offset: int, *keys: bytes) -> list[tuple[bytes, bytes, tuple[bytes, bytes]]]:
-        records = [(key, b"v%d" % offset) for key in keys] + [(APPLIED_KEY, encode_applied(offset))]
+    def event(offset: int, upserts: list[str], removals: list[str] = ()) -> list[tuple]:
+        records = [(entry_key("ns/a", h), encode_entry(Entry("ns/a", h, 1, offset, i)))
+                   for i, h in enumerate(upserts)]
+        records += [(entry_key("ns/a", h), None) for h in removals]
+        records.append((APPLIED_KEY, encode_applied(offset)))
         return [(key, value, (key, value)) for key, value in records]
 
+    def items(records: list[tuple]) -> list[tuple]:
+        return [item for _, _, item in records]
+
     gate = ChangelogGate()
-    first = event(5, b"\x01a") + event(6, b"\x01b")
-    assert gate.admit(first) == [item for _, _, item in first]
+    first = event(5, ["a"]) + event(6, ["b", "c"], ["a"])
+    assert gate.admit(first) == items(first)
     # a zombie's (or a resent) batch of older events lands after the successor's
-    assert gate.admit(event(3, b"\x01stale") + event(4, b"\x01stale2")) == []
+    assert gate.admit(event(3, ["stale"], ["b"]) + event(4, ["stale2"])) == []
     assert gate.dropped == 2
-    later = event(7, b"\x01c")
-    # an event's records split over two fetches wait for its applied record
-    assert gate.admit(later[:1]) == []
-    assert gate.admit(later[1:]) == [item for _, _, item in later]
+    later = event(7, ["d"], ["c"])
+    # upserts tell their event at once; a removal waits for its event's applied record
+    assert gate.admit(later[:2]) == items(later[:1])
+    assert gate.admit(later[2:]) == items(later[1:])
     assert gate.applied == 7
+    # a seeded changelog (entries of many events, one applied record) passes as it comes
+    seeded = ChangelogGate()
+    seed = [(entry_key("ns/s", f"h{i}"), encode_entry(Entry("ns/s", f"h{i}", 1, i, 0)), i)
+            for i in range(100)]
+    assert seeded.admit(seed) == list(range(100))
