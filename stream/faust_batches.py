@@ -38,14 +38,18 @@ the names in ``CONSUMER_PRIVATE``/``CONSUMER_INTERNALS`` is refused when its dra
 every internal this module touches is listed there, and nowhere else.
 
 A zombie owner (a worker frozen past its session timeout whose partitions another worker
-took over, then resumed) is bounded by the rules above plus the group coordinator: its
-offset commits carry the old generation and are refused (``UnknownMemberIdError``), so its
-records are redelivered to the new owner, and a batch handed over after the revocation
-became known is never acknowledged (rule 3). What no client-side rule closes is a batch
-whose changelog records are sent after the resume but before the revocation is known:
-only broker-side fencing (a transactional producer's epoch) would refuse them, and the
-embedded broker supports neither idempotent nor transactional producers. See
-``tests/integration/test_zombie_owner.py`` for what was measured.
+took over, then resumed) must not write a batch after the new owner. The batch handler
+checks, when a batch arrives, that its partition is still assigned, and right before
+writing asks the group coordinator whether the worker is still a member of the generation
+the batch came in (``confirm_owner``, ``stream.kafka.coordinator``); when either says no,
+the handler raises ``LostMembership`` and ``handle_batch`` drops the batch without
+acknowledging it (the consumer rejoins by itself, and the records go to whoever owns the
+partition). What no client-side rule closes is the producer resending, after the resume,
+a batch sent just before the freeze: readers of the changelog skip such events
+(``stream.store.ChangelogGate``). The embedded broker supports neither idempotent nor
+transactional producers, and it answers a stale generation's heartbeat with
+RebalanceInProgress while the group is forming, so on it the check catches a member only
+once it has been evicted. See ``tests/integration/test_zombie_owner.py``.
 """
 
 from __future__ import annotations
