@@ -182,12 +182,6 @@ def build_worker(
                                     prepare_dead_letters)
     keeper = StateKeeper(state, mirror, metrics, partitions, dead_letters)
 
-    async def flush() -> None:
-        # dead letters first: once the files hold a batch's applied offsets, its records are
-        # never delivered again, so their letters must be on the log by then
-        await dead_letters.flush()
-        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
-
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
         # A worker resumed after its session expired must not write after the new owner:
         # ownership is checked when the batch arrives (a batch fetched before a freeze may
@@ -200,6 +194,10 @@ def build_worker(
         await confirm_owner(app, generation, tp, ask=False)
         applied_before = state.applied.get(partition)
         keeper.apply_batch(partition, records)
+        # dead letters first: once the files hold a batch's applied offsets, its records are
+        # never delivered again, so their letters must be on the log by then (a zombie's
+        # letters are duplicates, told apart by their source partition and offset)
+        await dead_letters.flush()
         try:
             await confirm_owner(app, generation, tp)
         except LostMembership:
@@ -207,13 +205,12 @@ def build_worker(
             # applied, and the recovery that follows the rejoin reloads the partition's
             # part of the view (from the files, or the changelog if another worker owns it)
             mirror.discard()
-            dead_letters.discard()
             if applied_before is None:
                 state.applied.pop(partition, None)
             else:
                 state.applied[partition] = applied_before
             raise
-        await flush()
+        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 

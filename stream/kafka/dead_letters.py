@@ -78,10 +78,6 @@ class DeadLetterWriter:
         """Queue a letter for the next ``flush``."""
         self._pending.append(letter)
 
-    def discard(self) -> None:
-        """Forget the letters not yet sent (their records will be delivered again)."""
-        self._pending = []
-
     async def flush(self) -> None:
         """Send the queued letters and wait for the broker's acks; raises if it refuses."""
         if not self._pending:
