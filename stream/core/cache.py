@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Literal, NamedTuple, TypedDict
@@ -250,16 +250,7 @@ class CacheState:
         """``drop_partition`` in steps of about ``entries_per_slice`` entries (whole
         endpoints), yielding how many each step released, for a caller on an event loop."""
         names = [n for n, cache in self.endpoints.items() if cache.partition == partition]
-        released = 0
-        for name in names:
-            cache = self.endpoints.get(name)
-            if cache is None or cache.partition != partition:
-                continue
-            released += len(cache.entries)
-            self._drop(name, Effects())
-            if released >= entries_per_slice:
-                yield released
-                released = 0
+        released = yield from self._drop_in_slices(partition, names, entries_per_slice)
         self.applied.pop(partition, None)
         yield released
 
@@ -269,6 +260,14 @@ class CacheState:
         the store), in steps as ``drop_partition_in_slices``; the applied offset stays."""
         names = [n for n, cache in self.endpoints.items()
                  if cache.partition == partition and n not in keep]
+        released = yield from self._drop_in_slices(partition, names, entries_per_slice)
+        if released:
+            yield released
+
+    def _drop_in_slices(self, partition: int, names: list[str],
+                        entries_per_slice: int) -> Generator[int, None, int]:
+        """Drop these endpoints of the partition (those still in it), yielding after about
+        ``entries_per_slice`` entries; returns how many the last, unyielded step released."""
         released = 0
         for name in names:
             cache = self.endpoints.get(name)
@@ -279,8 +278,7 @@ class CacheState:
             if released >= entries_per_slice:
                 yield released
                 released = 0
-        if released:
-            yield released
+        return released
 
     def set_applied(self, partition: int, applied: int | None) -> None:
         """Record a partition's applied offset as loaded (``None``: nothing applied)."""
