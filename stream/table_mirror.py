@@ -88,10 +88,6 @@ class TableMirror:
             if partition in reached:
                 self.table.data.set_persisted_offset(TP(self.changelog, partition), reached[partition])
 
-    def discard(self) -> None:
-        """Forget the records not yet flushed (their batch will be delivered again)."""
-        self._pending = {}
-
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
 

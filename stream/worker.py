@@ -34,7 +34,6 @@ from stream.faust_batches import install as install_batch_path
 from stream.follower import ChangelogFollower
 from stream.http_api import HttpApi
 from stream.kafka.clients import client_options, faust_credentials
-from stream.kafka.coordinator import LostMembership
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
 from stream.kafka.publisher import EventPublisher
@@ -186,30 +185,17 @@ def build_worker(
         # A worker resumed after its session expired must not write after the new owner:
         # ownership is checked when the batch arrives (a batch fetched before a freeze may
         # be handed over after the rejoin) and again right before its records are written
-        # (a freeze in the middle of the batch); either raises, and the batch is dropped
-        # with nothing of it written or acknowledged (faust_batches), to be delivered
-        # again to whoever owns the partition now.
+        # (a freeze in the middle of the batch); either raises, and the worker stops with
+        # nothing of the batch written or acknowledged (its supervisor restarts it).
         tp = TP(settings.events_topic, partition)
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
-        applied_before = state.applied.get(partition)
         keeper.apply_batch(partition, records)
         # dead letters first: once the files hold a batch's applied offsets, its records are
         # never delivered again, so their letters must be on the log by then (a zombie's
         # letters are duplicates, told apart by their source partition and offset)
         await dead_letters.flush()
-        try:
-            await confirm_owner(app, generation, tp)
-        except LostMembership:
-            # nothing of it is written or acknowledged: its events must not count as
-            # applied, and the recovery that follows the rejoin reloads the partition's
-            # part of the view (from the files, or the changelog if another worker owns it)
-            mirror.discard()
-            if applied_before is None:
-                state.applied.pop(partition, None)
-            else:
-                state.applied[partition] = applied_before
-            raise
+        await confirm_owner(app, generation, tp)
         await mirror.flush()  # returns once the changelog holds the batch: then it is acked
 
     install_batch_path(app, {settings.events_topic: apply_batch})

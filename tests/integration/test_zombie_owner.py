@@ -136,7 +136,7 @@ def test_a_resumed_zombie_owner_leaves_the_shared_state_equal_to_the_replay(make
         code = None
     print(f"first after the resume: {'running' if code is None else f'exited with {code}'}")
     if code is not None:
-        assert code != 0 and "no longer counts this worker" in first.tail(), first.tail()
+        assert code != 0 and "LostMembership" in first.tail(), first.tail()
         first.process = None
         first.start()
 
