@@ -24,8 +24,8 @@ from typing import Any
 import aiokafka.errors as errors
 from aiokafka.protocol.group import HeartbeatRequest
 
-__all__ = ["AIOKAFKA_VERSION", "LostMembership", "check_version", "confirm_membership",
-           "generation_of"]
+__all__ = ["AIOKAFKA_VERSION", "ANSWER_S", "LostMembership", "check_version",
+           "confirm_membership", "generation_of"]
 
 AIOKAFKA_VERSION = "0.14.0"
 
@@ -33,12 +33,8 @@ log = logging.getLogger(__name__)
 
 # The coordinator's answers that mean "you are not in this generation any more".
 _LOST = (errors.UnknownMemberIdError, errors.IllegalGenerationError)
-# Still the owner: the group may be rebalancing, but until this member has been asked to
-# revoke (Faust's revocation waits for the batch in flight) its partitions are its own.
-_CURRENT = (errors.NoError, errors.RebalanceInProgressError)
-# The coordinator moved or is not known: look it up again.
-_MOVED = (errors.NotCoordinatorForGroupError, errors.GroupCoordinatorNotAvailableError)
-_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# How long the coordinator's answer is waited for.
+ANSWER_S = 1.0
 
 
 class LostMembership(RuntimeError):
@@ -58,39 +54,26 @@ def check_version() -> None:
 
 
 async def confirm_membership(consumer: Any, generation: int) -> None:
-    """Return once the coordinator confirmed that ``consumer`` (an ``AIOKafkaConsumer``)
-    is still a member of ``generation``, the one its batch in flight came in; raise
-    ``LostMembership`` when it has rejoined or been reset since, or the coordinator
-    answers that the generation is stale. Transient trouble (the coordinator moving,
-    a connection lost, the broker down) is waited out, as a changelog write waits for
-    the broker, so an outage does not stop the worker; a non-retriable error is raised.
+    """Raise ``LostMembership`` when ``consumer`` (an ``AIOKafkaConsumer``) is no longer a
+    member of ``generation``, the one its batch in flight came in: it has been reset or
+    has rejoined since, or the coordinator answers at once that the generation is stale.
+    Only such a definite answer stops the batch: an answer that does not come within
+    ``ANSWER_S`` (the coordinator busy forming a group, which can wait for this very
+    batch's revocation) or any other error lets the write go on, as it did before the
+    check, so a slow or unreachable coordinator never stops or stalls a healthy worker.
     To be run on the loop the consumer runs on."""
     coordinator = consumer._coordinator
-    attempt = 0
-    while True:
-        if generation_of(consumer) != generation:
-            raise LostMembership(f"the group coordinator no longer counts this worker in "
-                                 f"generation {generation}: it was reset or rejoined since "
-                                 "the batch came")
-        if coordinator._closing.done():
-            raise LostMembership("the consumer is closing")
-        request = HeartbeatRequest(coordinator.group_id, generation, coordinator.member_id)
-        try:
-            await coordinator.ensure_coordinator_known()
-            response = await coordinator._send_req(request)
-        except errors.KafkaError as exc:
-            if not exc.retriable:
-                raise
-        else:
-            error = errors.for_code(response.error_code)
-            if error in _CURRENT:
-                return
-            if error in _LOST:
-                raise LostMembership(f"the group coordinator no longer counts this worker "
-                                     f"(generation {generation}): {error.__name__}")
-            if error in _MOVED:
-                coordinator.coordinator_dead()
-            elif not error.retriable:
-                raise error()
-        await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
-        attempt += 1
+    if generation_of(consumer) != generation:
+        raise LostMembership(f"the group coordinator no longer counts this worker in "
+                             f"generation {generation}: it was reset or rejoined since "
+                             "the batch came")
+    request = HeartbeatRequest(coordinator.group_id, generation, coordinator.member_id)
+    try:
+        response = await asyncio.wait_for(coordinator._send_req(request), ANSWER_S)
+    except (errors.KafkaError, TimeoutError) as exc:
+        log.debug("ownership not confirmed (%r): the write goes on", exc)
+        return
+    error = errors.for_code(response.error_code)
+    if error in _LOST:
+        raise LostMembership(f"the group coordinator no longer counts this worker "
+                             f"(generation {generation}): {error.__name__}")
