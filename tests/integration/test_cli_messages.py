@@ -89,7 +89,8 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path, bootstrap):
 def test_an_unreachable_broker_is_one_line(tmp_path):
     port = free_port()
     one_line_failure(mmcache("serve", "--bootstrap-servers", f"127.0.0.1:{port}", "--data-dir", "d",
-                             cwd=tmp_path), f"cannot reach the Kafka cluster at 127.0.0.1:{port}")
+                             "--port", str(free_port()), cwd=tmp_path),
+                     f"cannot reach the Kafka cluster at 127.0.0.1:{port}")
     assert not (tmp_path / "d").exists()
 
 
