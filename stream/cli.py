@@ -33,6 +33,7 @@ from stream.config import (
     describe_validation_error,
     load_plugin_config,
 )
+from stream.event_loop import new_event_loop
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import install_repeat_filter
 from stream.sim.commands import add_commands as add_sim_commands
@@ -218,8 +219,7 @@ def _serve(args: argparse.Namespace) -> None:
         bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
         log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker "
                     "(Tansu, memory only) on %s for development", bootstrap)
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
+    loop = new_event_loop()
     try:
         # The embedded broker's log lives in memory: state from an earlier run describes
         # a log that no longer exists, so that state (only ours) is cleared.

@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
+from stream import event_loop
 from stream.admission import Rejected, fold_record
 from stream.config import KafkaSecurity, Settings
 from stream.core.cache import CacheState, Capacity, combine_digests
@@ -233,7 +234,7 @@ def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Ca
     gc.disable()  # a batch job that makes no reference cycles: collections only cost time
     state = CacheState(capacity)
     started = time.monotonic()
-    counts = asyncio.run(replay(bootstrap, topic, partitions, state, until, _add_progress,
+    counts = event_loop.run(replay(bootstrap, topic, partitions, state, until, _add_progress,
                                 topic_partitions=topic_partitions, security=security))
     replayed = time.monotonic()
     write_state(DataDir(root), state, partitions)
