@@ -18,12 +18,17 @@ run: $(STAMP)
 broker: $(STAMP)
 	$(BIN)/mmcache broker
 
-# wrk (Debian package) drives the HTTP benchmarks and their test; installed when missing.
+# wrk (Debian package) drives the HTTP benchmarks and their test; redis-server (Debian
+# package, with redis-benchmark) is the match benchmark's Redis control. Installed when missing.
 WRK := $(shell command -v wrk 2>/dev/null)
+REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
 
 tools:
 ifeq ($(WRK),)
 	-(apt-get install -y -qq wrk >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq wrk >/dev/null 2>&1)) || echo "wrk not installed: HTTP benchmarks need it"
+endif
+ifeq ($(REDIS_SERVER),)
+	-(apt-get install -y -qq redis-server >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1)) || echo "redis-server not installed: the match benchmark's Redis controls need it"
 endif
 
 # Go (Debian's golang-go, standard library only) builds and tests the Go client in

@@ -2,7 +2,10 @@
 
 Servers run alone on core 0 and wrk on core 1, so the figures compare handlers, not
 scheduling. Throughput is closed loop; latency is taken under a load paced by the clock
-at half the measured peak.
+at half the measured peak. Two controls hold the same index in Redis
+(``stream.bench.redis_control``): Redis asked directly by redis-benchmark, and the bare
+handler's HTTP stack asking Redis. A per-stage cost breakdown (``stream.bench.costs``)
+is taken in process on the same state and bodies once the servers are stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +26,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from stream.bench.costs import cost_figures
 from stream.bench.figures import Figure
+from stream.bench.redis_control import (
+    LOOKUPS_PER_REQUEST,
+    DirectRate,
+    RedisServer,
+    index_keys,
+    load_index,
+    pinned,
+    redis_backed_app,
+    redis_benchmark_rate,
+)
 from stream.bench.workload import Workload
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
@@ -73,10 +87,14 @@ def request_bodies(state: CacheState, count: int) -> list[bytes]:
     return [orjson.dumps(workload.match_body(held)) for _ in range(count)]
 
 
-def serve(kind: str, port: int, events: int, bodies_path: Path) -> None:
+def serve(kind: str, port: int, events: int, bodies_path: Path, redis_port: int = 0) -> None:
     """Run one server in this process: ``inverted`` / ``reference`` (the service's HTTP API
-    over that lookup) or ``control`` (a bare aiohttp+orjson handler)."""
-    if kind == "control":
+    over that lookup), ``control`` (a bare aiohttp+orjson handler) or ``redis`` (that
+    handler's shape over the index in the Redis at ``redis_port``, its set names in the
+    ``.keys`` file beside the bodies)."""
+    if kind == "redis":
+        app = redis_backed_app(redis_port, orjson.loads(Path(f"{bodies_path}.keys").read_bytes()))
+    elif kind == "control":
         answer = orjson.loads(Path(f"{bodies_path}.answer").read_bytes())
 
         async def handler(request: web.Request) -> web.Response:
@@ -102,11 +120,11 @@ def serve(kind: str, port: int, events: int, bodies_path: Path) -> None:
 class Server:
     """A benchmark server in a child process pinned to the server core."""
 
-    def __init__(self, kind: str, events: int, bodies: Path) -> None:
+    def __init__(self, kind: str, events: int, bodies: Path, redis_port: int = 0) -> None:
         self.kind = kind
         self.port = free_port()
         command = [sys.executable, "-m", "stream.bench.match", kind, str(self.port), str(events),
-                   str(bodies)]
+                   str(bodies), str(redis_port)]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}/v1/match"
 
@@ -151,9 +169,8 @@ def _wrk(url: str, script: str, seconds: int, connections: int, *flags: str) -> 
         raise RuntimeError("wrk is missing: install the Debian package 'wrk' (apt-get install wrk)")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as file:
         file.write(script)
-    command = [wrk, "-t1", f"-c{connections}", f"-d{seconds}s", "-s", file.name, *flags, url]
-    if shutil.which("taskset"):
-        command = ["taskset", "-c", LOAD_CORE, *command]
+    command = pinned(LOAD_CORE, [wrk, "-t1", f"-c{connections}", f"-d{seconds}s", "-s", file.name,
+                                 *flags, url])
     try:
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     finally:
@@ -193,26 +210,45 @@ def _ms(found: re.Match[str] | None) -> float:
     return float(found[1]) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[found[2]]
 
 
+def _same_answers(url: str, expected_url: str, bodies: list[bytes]) -> None:
+    """Refuse a control that answers these bodies otherwise than the service does."""
+    for body in bodies:
+        got, want = (urllib.request.urlopen(urllib.request.Request(u, data=body)).read()
+                     for u in (url, expected_url))
+        if orjson.loads(got) != orjson.loads(want):
+            raise RuntimeError(f"the control at {url} answers {body[:80]!r} otherwise than the service")
+
+
 def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
-    """Throughput against the bare control and the reference lookup, then latency at half
-    the measured peak."""
+    """Throughput against the bare control, the reference lookup and the two Redis
+    controls, then latency at half the measured peak, then the cost breakdown."""
     with tempfile.TemporaryDirectory() as tmp:
         bodies = Path(tmp) / "bodies.jsonl"
-        rates: dict[str, list[float]] = {"inverted": [], "reference": [], "control": []}
+        rates: dict[str, list[float]] = {"inverted": [], "reference": [], "control": [], "redis": []}
+        direct: list[DirectRate] = []
         # the two states are built side by side; each server then serves on the server core
         servers = {kind: Server(kind, events, bodies) for kind in ("inverted", "reference")}
         service = servers["inverted"]
+        redis_server = RedisServer(SERVER_CORE)
         try:
+            # this process's copy: loaded into Redis, then the cost breakdown's
+            state = full_state(CacheState(Capacity.from_params()), events)
             service.wait()
-            answer = urllib.request.urlopen(urllib.request.Request(
-                service.url, data=bodies.read_bytes().splitlines()[0])).read()
+            requests = bodies.read_bytes().splitlines()
+            answer = urllib.request.urlopen(urllib.request.Request(service.url, data=requests[0])).read()
             Path(f"{bodies}.answer").write_bytes(answer)
+            keys, lookups = index_keys(requests, state.holders)
+            load_index(redis_server.start(), state.holders, keys)
+            Path(f"{bodies}.keys").write_bytes(orjson.dumps(keys))
             servers["control"] = Server("control", events, bodies)
+            servers["redis"] = Server("redis", events, bodies, redis_server.port)
             for server in servers.values():
                 server.wait()
+            _same_answers(servers["redis"].url, service.url, requests[:20])
             for _ in range(runs):
                 for kind, server in servers.items():
                     rates[kind].append(wrk_rate(server.url, bodies, seconds))
+                direct.append(redis_benchmark_rate(redis_server, lookups, seconds, LOAD_CORE))
             peak = statistics.median(rates["inverted"])
             p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, max(seconds, 5))
             # the same paced load on the bare handler: what the harness itself adds
@@ -221,8 +257,10 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
         finally:
             for server in servers.values():
                 server.stop()
-    service_rate, reference, control = (statistics.median(rates[k]) for k in
-                                        ("inverted", "reference", "control"))
+            redis_server.stop()
+    service_rate, reference, control, redis_http = (statistics.median(rates[k]) for k in
+                                                    ("inverted", "reference", "control", "redis"))
+    redis_direct, redis_busy, load_busy = (statistics.median(column) for column in zip(*direct, strict=True))
     return [
         Figure("match_throughput_vs_bare_handler", round(service_rate), "req/s",
                ">= 0.75 x bare aiohttp+orjson handler", service_rate / control >= 0.75,
@@ -231,15 +269,30 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
         Figure("match_throughput_vs_reference_lookup", round(service_rate), "req/s",
                ">= 1.8 x the per-endpoint-map lookup", service_rate / reference >= 1.8,
                round(reference), round(service_rate / reference, 3)),
-        Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "<= 0.5 ms", p50 <= 0.5,
-               round(bare_p50, 3), round(p50 / bare_p50, 3),
+        Figure("match_throughput_vs_redis_direct", round(service_rate), "req/s",
+               ">= 0.15 x Redis asked directly", service_rate / redis_direct >= 0.15,
+               round(redis_direct), round(service_rate / redis_direct, 3),
+               f"control: the match lookups a gateway talking to Redis directly would get, "
+               f"pipelines of {LOOKUPS_PER_REQUEST} SMEMBERS per second (redis-benchmark -P "
+               f"{LOOKUPS_PER_REQUEST} -c32, keys drawn from the bodies' items) on the same index "
+               f"as one set per hash; busy: Redis {100 * redis_busy:.0f}% of its core, "
+               f"redis-benchmark {100 * load_busy:.0f}% of its own"),
+        Figure("match_throughput_vs_redis_backed_http", round(service_rate), "req/s",
+               ">= 3 x the bare handler over Redis", service_rate / redis_http >= 3,
+               round(redis_http), round(service_rate / redis_http, 3),
+               "control: the bare handler's aiohttp stack reading the body as the service does, "
+               f"one pipeline of {LOOKUPS_PER_REQUEST} SMEMBERS (redis.asyncio) per request, same "
+               "answer; Redis on the server core too"),
+        Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "p50 <= 1.3 x the control's",
+               p50 / bare_p50 <= 1.3, round(bare_p50, 3), round(p50 / bare_p50, 3),
                f"paced at {achieved:.0f} req/s (half of the {peak:.0f} peak); control: the bare "
                "handler under the same paced load"),
-        Figure("match_latency_p99_at_half_peak", round(p99, 3), "ms", "<= 1.5 ms", p99 <= 1.5,
-               round(bare_p99, 3), round(p99 / bare_p99, 3),
+        Figure("match_latency_p99_at_half_peak", round(p99, 3), "ms", "p99 <= 1.5 x the control's",
+               p99 / bare_p99 <= 1.5, round(bare_p99, 3), round(p99 / bare_p99, 3),
                f"paced at {achieved:.0f} req/s; control: the bare handler, same load"),
+        *cost_figures(state, requests),
     ]
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
