@@ -5,12 +5,13 @@ reload of owned partitions from their stores after a recovery.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Protocol
 
-from stream.admission import Applied, fold_record
+from stream.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Effects
 from stream.kafka.dead_letters import DeadLetter
 from stream.metrics import Metrics
@@ -18,7 +19,10 @@ from stream.preload import LocalPreload
 from stream.table_mirror import Mirror
 from stream.view_load import load_partition_into_view
 
-__all__ = ["DeadLetterSink", "StateKeeper"]
+__all__ = ["APPLY_SLICE", "DeadLetterSink", "StateKeeper"]
+
+#: Records applied between two turns of the event loop (~25 us an event: a few ms).
+APPLY_SLICE = 128
 
 # the reasons the older ``mmcache_malformed_events_total`` counts too
 _MALFORMED = frozenset({"not_json", "bad_schema", "unknown_version"})
@@ -40,6 +44,14 @@ class _Letters(list[DeadLetter]):
         self.append(letter)
 
 
+class _Record(NamedTuple):
+    """One record as ``apply_batch`` reads it (Kafka's records have these attributes)."""
+
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
 class StateKeeper:
     """The agent's logic: fold a record into the view (``stream.admission``, the same rule
     as ``rebuild``), mirror it to the store, dead-letter and count what is skipped.
@@ -59,31 +71,55 @@ class StateKeeper:
 
     def apply_record(self, partition: int, offset: int, raw: bytes | None,
                      key: bytes | None = None) -> None:
-        """Apply one record of the event topic; one that is not applied is dead-lettered,
-        counted and skipped, its offset applied all the same."""
-        outcome = fold_record(self.state, partition, offset, key, raw, self.partitions)
-        if outcome is None:
-            self.metrics.redelivered.inc()
-        elif isinstance(outcome, Applied):
-            self.mirror.write(partition, outcome.effects, offset)
-            self.metrics.events.labels(outcome.event.type).inc()
-        else:
-            self.dead_letters.add(DeadLetter(partition, offset, key, raw, outcome.reason))
-            self.mirror.write(partition, Effects(), offset)
-            self.metrics.dead_letters.labels(outcome.reason).inc()
-            if outcome.reason in _MALFORMED:
-                self.metrics.malformed.inc()
-            seen = self._rejected[outcome.reason] = self._rejected.get(outcome.reason, 0) + 1
-            if seen <= 10 or seen % 1000 == 0:  # a misconfigured producer must not flood the log
-                log.warning("dead-lettered record at partition %d offset %d (%s, %d so far): %s",
-                            partition, offset, outcome.reason, seen, outcome.detail)
+        """Apply one record of the event topic (``apply_batch`` of one)."""
+        self.apply_batch(partition, [_Record(offset, key, raw)])
 
     def apply_batch(self, partition: int, records: Iterable[Any]) -> None:
         """Apply fetched records (with ``offset``, ``key`` and ``value``) of one partition,
-        in order."""
-        apply = self.apply_record
-        for record in records:
-            apply(partition, record.offset, record.value, record.key)
+        in order; one that is not applied is dead-lettered, counted and skipped, its offset
+        applied all the same. Applied and redelivered events are counted once a batch (a
+        labelled counter's increment per event was ~4% of the worker's ingest time)."""
+        state, mirror, partitions = self.state, self.mirror, self.partitions
+        applied: dict[str, int] = {}
+        redelivered = 0
+        try:
+            for record in records:
+                offset = record.offset
+                outcome = fold_record(state, partition, offset, record.key, record.value, partitions)
+                if outcome is None:
+                    redelivered += 1
+                elif type(outcome) is Applied:
+                    mirror.write(partition, outcome.effects, offset)
+                    kind = outcome.event.type
+                    applied[kind] = applied.get(kind, 0) + 1
+                else:
+                    self._reject(partition, record, outcome)
+        finally:
+            for kind, count in applied.items():
+                self.metrics.events.labels(kind).inc(count)
+            if redelivered:
+                self.metrics.redelivered.inc(redelivered)
+
+    async def apply_in_slices(self, partition: int, records: Sequence[Any]) -> None:
+        """``apply_batch`` of ``APPLY_SLICE`` records at a time, the loop turning in
+        between (a few ms a slice), so that requests never wait behind a large batch."""
+        for start in range(0, len(records), APPLY_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            self.apply_batch(partition, records[start:start + APPLY_SLICE])
+
+    def _reject(self, partition: int, record: Any, outcome: Rejected) -> None:
+        """Dead-letter a record that is not applied, count it, and log the first ones."""
+        offset = record.offset
+        self.dead_letters.add(DeadLetter(partition, offset, record.key, record.value, outcome.reason))
+        self.mirror.write(partition, Effects(), offset)
+        self.metrics.dead_letters.labels(outcome.reason).inc()
+        if outcome.reason in _MALFORMED:
+            self.metrics.malformed.inc()
+        seen = self._rejected[outcome.reason] = self._rejected.get(outcome.reason, 0) + 1
+        if seen <= 10 or seen % 1000 == 0:  # a misconfigured producer must not flood the log
+            log.warning("dead-lettered record at partition %d offset %d (%s, %d so far): %s",
+                        partition, offset, outcome.reason, seen, outcome.detail)
 
     async def reload(self, partitions: dict[int, Any], preload: LocalPreload | None = None) -> None:
         """Make these partitions' part of the view their stores' durable entries (the

@@ -47,10 +47,12 @@ from stream.table_mirror import MappingMirror, Mirror, TableMirror, gate_changel
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
            "TableMirror", "build_worker", "faust_settings"]
 
-# Events reach the keeper in whole fetched batches (stream.faust_batches) of at most
-# MAX_POLL_RECORDS, so one batch holds the event loop for a few tens of ms at most (~35 µs
-# an event); their changelog records go to the producer once per batch.
-MAX_POLL_RECORDS = 1000
+# Events reach the handler in whole fetched batches (stream.faust_batches) of at most
+# MAX_POLL_RECORDS over all partitions; each partition's batch costs two round trips
+# (the ownership check, the changelog's ack), so larger batches apply more events a
+# second (one worker from a full topic: ~23k events/s at 1,000, ~30k at 4,000, no more
+# at 10,000); the keeper applies them in slices, the loop turning in between.
+MAX_POLL_RECORDS = 4000
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ def build_worker(
         tp = TP(settings.events_topic, partition)
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
-        keeper.apply_batch(partition, records)
+        await keeper.apply_in_slices(partition, records)
         # dead letters first: once the files hold a batch's applied offsets, its records are
         # never delivered again, so their letters must be on the log by then (a zombie's
         # letters are duplicates, told apart by their source partition and offset)

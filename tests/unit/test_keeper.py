@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -18,6 +19,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.datadir import DataDir
+from stream.keeper import APPLY_SLICE
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.rebuild import write_state
@@ -415,3 +417,35 @@ def test_reload_turns_the_loop_between_slices():
     ticks = asyncio.run(reload_while_ticking())
     assert fresh.state.digest() == keeper.state.digest()
     assert ticks >= 16  # at least one turn per 1,024-entry slice
+
+
+def test_a_large_batch_is_applied_in_slices_with_the_loop_turning_between():
+    """A fetched batch of 1,000 events lets other tasks (matches) run between slices of
+    APPLY_SLICE events, and ends as one apply_batch of the whole batch would."""
+    raws = [encode_event(ItemsPlaced(endpoint=f"ns/pod-{n % 7}", items=[Item(f"h{n}", 1, "image")]))
+            for n in range(1000)]
+    records = [SimpleNamespace(offset=n, key=key_of(raw), value=raw) for n, raw in enumerate(raws)]
+    sliced, whole = keeper_for(Capacity("items", 64)), keeper_for(Capacity("items", 64))
+    whole.apply_batch(0, records)
+
+    async def apply_while_ticking() -> list[int]:
+        applied_at_tick: list[int] = []
+        done = False
+
+        async def tick() -> None:
+            while not done:
+                applied_at_tick.append(sliced.state.applied.get(0, -1))
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        await sliced.apply_in_slices(0, records)
+        done = True
+        await ticker
+        return applied_at_tick
+
+    seen = asyncio.run(apply_while_ticking())
+    assert sliced.state.digest() == whole.state.digest()
+    # the ticker saw the batch part-applied, never more than one slice further each turn
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+    assert len(steps) >= 1000 // APPLY_SLICE and max(steps) <= APPLY_SLICE
