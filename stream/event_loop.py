@@ -16,14 +16,19 @@ from typing import Any, TypeVar
 
 import uvloop
 
-__all__ = ["new_event_loop", "run"]
+__all__ = ["install", "new_event_loop", "run"]
 
 T = TypeVar("T")
 
 
+def install() -> None:
+    """Make uvloop the policy: every loop made from now on, in any thread, is uvloop's."""
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new uvloop loop, set as the current one, with uvloop as the policy."""
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    install()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     return loop
@@ -31,5 +36,5 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop."""
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    install()
     return asyncio.run(coroutine)

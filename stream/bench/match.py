@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from stream import event_loop
 from stream.bench.costs import cost_figures
 from stream.bench.figures import Figure
 from stream.bench.redis_control import (
@@ -114,6 +115,7 @@ def serve(kind: str, port: int, events: int, bodies_path: Path, redis_port: int 
         app = api.application()
     if hasattr(os, "sched_setaffinity"):  # built on any core, served on the server core
         os.sched_setaffinity(0, {int(SERVER_CORE)})
+    event_loop.install()  # every kind on the service's loop, so the ratios compare handlers
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
