@@ -31,7 +31,7 @@ __all__ = ["footprint_figures", "freshness_figures", "ingest_figures", "naive_ag
            "restart_figures"]
 
 #: The ingest rate the produced backlog is sized for (above the worker's, so it cannot run dry).
-INGEST_HEADROOM_EVENTS_PER_S = 40_000
+INGEST_HEADROOM_EVENTS_PER_S = 80_000
 
 
 class Worker:
@@ -147,11 +147,11 @@ def ingest_figures(bootstrap: str, seconds: int) -> list[Figure]:
     rate = done / elapsed
     items = rate * items_per_event
     naive = naive_agent_rate(bootstrap, topic, min(seconds, 10)) * items_per_event
-    return [Figure("ingest_items_per_s", round(items), "items/s",
-                   ">= 30000 items/s and >= 0.2 x raw aiokafka consume (records/s)",
-                   items >= 30_000 and rate / control >= 0.2, round(control),
+    return [Figure("ingest_events_per_s", round(rate), "events/s",
+                   ">= 50000 events/s and >= 0.2 x raw aiokafka consume (records/s)",
+                   rate >= 50_000 and rate / control >= 0.2, round(control),
                    round(rate / control, 3),
-                   f"{rate:.0f} events/s x {items_per_event:.2f} items, sustained {seconds} s"
+                   f"{items:.0f} items/s ({items_per_event:.2f} an event), sustained {seconds} s"
                    + (" (topic drained: a lower bound)" if total >= events else "")),
             Figure("ingest_vs_naive_faust_agent", round(items), "items/s",
                    ">= 10 x a naive Faust agent (one table write per item)", items >= 10 * naive,
@@ -188,8 +188,8 @@ def restart_figures(bootstrap: str, events: int) -> tuple[list[Figure], Path, An
     worker = Worker(bootstrap, app_id, data)
     seconds = worker.wait_ready()
     worker.stop()
-    return [Figure("restart_to_ready_with_local_state", round(seconds, 2), "s", "<= 5 s",
-                   seconds <= 5, note=f"{count:,} entries")], data, tmp
+    return [Figure("restart_to_ready_with_local_state", round(seconds, 2), "s", "<= 2 s",
+                   seconds <= 2, note=f"{count:,} entries")], data, tmp
 
 
 def footprint_figures(data: Path, events: int) -> list[Figure]:
@@ -213,8 +213,8 @@ def footprint_figures(data: Path, events: int) -> list[Figure]:
     return [
         Figure("disk_per_entry", round(disk / entries, 1), "B", "<= 60 B after compaction",
                disk / entries <= 60, note=f"{entries:,} entries, RocksDB files of all partitions"),
-        Figure("match_view_memory_per_entry", round(view / held, 1), "B", "<= 200 B",
-               view / held <= 200, note=f"{held:,} entries, Python heap (tracemalloc)"),
+        Figure("match_view_memory_per_entry", round(view / held, 1), "B", "<= 120 B",
+               view / held <= 120, note=f"{held:,} entries, Python heap (tracemalloc)"),
     ]
 
 

@@ -31,7 +31,7 @@ def test_replay_and_restart_scenarios_write_complete_figures(bootstrap, tmp_path
             # ratios are rounded to 3 decimals, values to whole units
             assert figure["ratio"] == pytest.approx(figure["value"] / figure["control"], rel=0.01, abs=6e-4)
     replay = next(f for f in written["figures"] if f["name"] == "rebuild_replay_rate")
-    assert replay["pass"] == (replay["value"] >= 150_000 and replay["ratio"] >= 0.5)
+    assert replay["pass"] == (replay["value"] >= 250_000 and replay["ratio"] >= 0.6)
     table = out.with_suffix(".md").read_text()
     assert render_table(figures) in table and "rebuild_replay_rate" in table
 
@@ -39,12 +39,12 @@ def test_replay_and_restart_scenarios_write_complete_figures(bootstrap, tmp_path
 def test_ingest_scenario_measures_the_worker_against_both_controls(bootstrap, tmp_path):
     figures = {f.name: f for f in run(tmp_path / "i.json", only=["ingest"], bootstrap=bootstrap,
                                       scale=0.002)}
-    ingest, naive = figures["ingest_items_per_s"], figures["ingest_vs_naive_faust_agent"]
-    assert ingest.value == naive.value > 0
+    ingest, naive = figures["ingest_events_per_s"], figures["ingest_vs_naive_faust_agent"]
+    assert ingest.value > 0 and naive.value > 0
     assert ingest.control > 0 and naive.control > 0  # raw consume; the naive Faust agent
     assert naive.ratio == pytest.approx(naive.value / naive.control, rel=0.01)
     assert naive.passed == (naive.ratio >= 10)
-    assert ingest.passed == (ingest.value >= 30_000 and ingest.ratio >= 0.2)
+    assert ingest.passed == (ingest.value >= 50_000 and ingest.ratio >= 0.2)
 
 
 def test_reference_lookup_control_gives_the_same_answers_as_the_index():
@@ -89,7 +89,7 @@ def test_state_poll_scenario_measures_polled_against_unpolled(bootstrap, tmp_pat
     p99, worst = figures["match_p99_with_state_polled"], figures["match_max_with_state_polled"]
     assert 0 < p99.control <= worst.control and 0 < p99.value <= worst.value
     assert p99.ratio == pytest.approx(p99.value / p99.control, rel=0.01, abs=6e-4)
-    assert p99.passed == (p99.value <= 2 * p99.control + 1)
+    assert p99.passed == (p99.value <= 1.2 * p99.control)
     assert worst.passed == (worst.value <= worst.control + 10)
     assert "/v1/state calls" in worst.note and int(worst.note.split()[0]) >= 1
     hold = figures["state_call_longest_loop_hold"]
