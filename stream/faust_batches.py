@@ -66,6 +66,7 @@ from time import monotonic
 from typing import Any
 
 import faust
+from aiokafka.errors import IllegalStateError
 from faust.transport.consumer import CONSUMER_FETCHING, Consumer
 from faust.types import TP
 from faust.types.tuples import ack_lock
@@ -314,26 +315,53 @@ class _BatchDrain:
         await consumer.sleep(0)  # as Faust: a fetch loop must release the event loop
         if records is None or consumer.should_stop:
             return
+        mine = {tp: batch for tp, batch in records.items() if tp.topic in self.handlers}
         if not consumer.flow_active:
             # as Faust's getmany: records fetched while the flow stopped are dropped and
-            # the partitions go back to their committed offsets
+            # the partitions go back to their committed offsets; ours go back to their
+            # first dropped record too, which the committed offset may not reach
             try:
                 await consumer.perform_seek()
             except Exception as exc:
                 consumer.log.warning(f"exception performing seek when flow not active {exc}")
+            await self.give_back(mine)
             return
-        others: dict[TP, list[Any]] = {}
-        for tp, batch in records.items():
-            handler = self.handlers.get(tp.topic)
-            if handler is None:
-                others[tp] = batch
-                continue
+        others = {tp: batch for tp, batch in records.items() if tp.topic not in self.handlers}
+        pending = list(mine.items())
+        for index, (tp, batch) in enumerate(pending):
             if self.interrupted():
+                await self.give_back(dict(pending[index:]))
                 return
             if active is None or tp in active or tp in consumer._buffered_partitions:
-                await self.handle_batch(tp, batch, handler)
+                await self.handle_batch(tp, batch, self.handlers[tp.topic])
+            else:
+                await self.give_back({tp: batch})  # paused since the fetch began
         if others:
             await self.deliver_messages(others, active)
+
+    async def give_back(self, batches: Mapping[TP, Sequence[Any]]) -> None:
+        """Seek each partition back to the first of its fetched records that no handler
+        got, so that a later fetch delivers them again.
+
+        Faust's getmany drops such records: those of a partition paused since the fetch
+        began with no seek at all, those fetched while the flow stopped with a seek to
+        the committed offsets, which moves nothing for a partition with no committed
+        offset yet (aiokafka seeks only to an offset above 0). Either way they were never
+        delivered: a survivor that took over a dead owner's partitions skipped their first
+        events so (fetched as its recovery paused them) and never applied them. A
+        partition no longer assigned is left alone: its next owner starts from its
+        committed offset.
+        """
+        consumer = self.consumer
+        for tp, records in batches.items():
+            if not records:
+                continue
+            try:
+                await consumer.seek(tp, records[0].offset)
+            except IllegalStateError:
+                pass  # not assigned any more
+            except Exception as exc:  # noqa: BLE001 - as Faust's own seek on this path
+                consumer.log.warning("could not seek %s back to %d: %r", tp, records[0].offset, exc)
 
     async def handle_batch(self, tp: TP, records: Sequence[Any], handler: BatchHandler) -> None:
         consumer, app = self.consumer, self.app
@@ -341,9 +369,11 @@ class _BatchDrain:
             # the conductor would wait in flow_control.acquire, given up on a suspend
             await consumer.wait_first(app.flow_control.acquire(), consumer.suspend_flow.wait())
             if self.interrupted() or not app.flow_control.is_active():
+                await self.give_back({tp: records})
                 return
         await self.maybe_commit()
         if self.interrupted():
+            await self.give_back({tp: records})
             return
         plan = plan_batch(records, consumer._read_offset[tp], consumer._committed_offset[tp],
                           consumer._acked_index[tp])

@@ -25,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import TopicPartition
 from faust.exceptions import ProducerSendError
+from faust.types import TP
 
 from stream import faust_batches
 from stream.kafka import tansu
@@ -199,6 +200,41 @@ def test_a_revocation_waits_for_the_batch_in_flight_and_commits_none_of_it(
         assert sorted(again) == batch, (first_handled, second_handled, batch)
 
     asyncio.run(asyncio.wait_for(run(), 58))
+
+
+def test_records_of_a_partition_paused_since_their_fetch_are_delivered_when_it_resumes(
+        bootstrap: str, tmp_path: Path) -> None:
+    """Records fetched for a partition that Faust paused before they were handled (as its
+    recovery does around a takeover) are given back, not skipped: the partition has no
+    committed offset, so nothing else would move its position back (this lost a dead
+    owner's events on a survivor, tests/integration/test_active_active.py)."""
+    app_id, topic = names()
+    handled: dict[int, list[int]] = {0: [], 1: []}
+    paused: list[int] = []
+
+    async def run() -> None:
+        app: faust.App | None = None
+
+        async def handler(partition: int, records: Sequence[Any]) -> None:
+            handled[partition].extend(r.offset for r in records)
+            if not paused:  # the first batch: pause the other partition, resume it soon
+                other = TP(topic, 1 - partition)  # Faust's own kind of partition
+                paused.append(other.partition)
+                assert app is not None
+                app.consumer.pause_partitions({other})
+                asyncio.get_running_loop().call_later(1.0, app.consumer.resume_partitions, {other})
+
+        await produce(bootstrap, topic, 20, 2)  # both partitions' records in the first fetch
+        app = make_app(bootstrap, app_id, topic, 2, handler, tmp_path)
+        await app.start()
+        try:
+            await until(lambda: all(set(h) == set(range(20)) for h in handled.values()), 20,
+                        "every record of both partitions handled")
+        finally:
+            await stop(app)
+        assert paused and handled[paused[0]] == list(range(20))  # each once, in order
+
+    asyncio.run(asyncio.wait_for(run(), 40))
 
 
 def test_a_failed_changelog_send_stops_the_worker_without_acknowledging(
