@@ -137,9 +137,19 @@ class Service:
         return self.get("/v1/state?limit=0")[1]["digest"]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the test item, for fixtures that act on a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
 @pytest.fixture
-def make_service(bootstrap: str, tmp_path: Path) -> Iterator[Callable[..., Service]]:
-    """Factory of services with a unique app id (hence unique topics) per test."""
+def make_service(bootstrap: str, tmp_path: Path,
+                 request: pytest.FixtureRequest) -> Iterator[Callable[..., Service]]:
+    """Factory of services with a unique app id (hence unique topics) per test; when the
+    test failed, the end of each service's log is printed (shown with the failure)."""
     started: list[Service] = []
 
     def make(app_id: str | None = None, data_dir: Path | None = None,
@@ -151,7 +161,11 @@ def make_service(bootstrap: str, tmp_path: Path) -> Iterator[Callable[..., Servi
         return service.start(wait_ready)
 
     yield make
+    failed = getattr(request.node, "report_call", None)
     for service in started:
+        if failed is not None and failed.failed:
+            print(f"--- end of the log of {service.app_id} on port {service.port} ---\n"
+                  f"{service.tail()}")
         if service.process is not None:
             service.stop(signal.SIGKILL)
 
