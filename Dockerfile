@@ -1,9 +1,13 @@
-# Build stage: the package and its dependencies into a virtual environment; no build
+# Build stage: the package and its dependencies into a virtual environment, the hot
+# modules compiled by Cython (setup.py) with the C compiler installed here; no build
 # tools or caches reach the image that runs.
 FROM python:3.11-slim AS build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 RUN python -m venv /opt/mmcache
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY stream ./stream
 RUN /opt/mmcache/bin/pip install --no-cache-dir .
 

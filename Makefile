@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test unit integration lint schemas broker bench tools golang clean
 
-$(STAMP): pyproject.toml
+# The install compiles the modules of pyproject's [tool.mmcache] compiled in place
+# (setup.py), so it is redone when their source changes: a stale build would be tested.
+COMPILED := $(shell $(PYTHON) -c 'import tomllib; print(*(m.replace(".", "/") + ".py" for m in tomllib.load(open("pyproject.toml", "rb"))["tool"]["mmcache"]["compiled"]))')
+
+$(STAMP): pyproject.toml setup.py $(COMPILED)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -56,7 +60,7 @@ schemas: $(STAMP)
 	$(BIN)/python -m stream.schemas_gen
 
 clean:
-	rm -rf $(VENV) .mmcache .pytest_cache
+	rm -rf $(VENV) .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
 
 bench: $(STAMP) tools
 	$(BIN)/mmcache bench $(if $(QUICK),--quick)
