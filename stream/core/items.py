@@ -149,6 +149,8 @@ def _from_chat(value: Any, path: Path) -> Iterator[Item]:
             bpath: Path = lambda: f"{mpath()}.content[{b}]"
             _expect(block, dict, bpath, "an object")
             kind = block.get("type")
+            if kind is not None:  # a list or an object is no type (and not hashable)
+                _expect(kind, str, lambda: f"{bpath()}.type", "a string")
             if kind in _URL_BLOCKS:
                 url = _block_url(block.get(kind), lambda: f"{bpath()}.{kind}",
                                  bare_string=kind == "image_url")

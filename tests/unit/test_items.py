@@ -470,3 +470,13 @@ def test_a_wrapped_source_wins_over_top_level_messages():
     body = {"generate": {"features": {"mm_hashes": {"image": ["h1"]}}},
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}
     assert [item.hash for item in extract_items(body)] == ["h1"]
+
+
+@pytest.mark.parametrize("kind", [["image_url"], {"image_url": 1}, 3, True])
+def test_a_chat_block_type_that_is_not_a_string_is_an_invalid_field_not_a_crash(kind):
+    body = {"chat_completions": {"messages": [{"role": "user", "content": [
+        {"type": kind, "image_url": {"url": "https://x/a.png"}}]}]}}
+    with pytest.raises(InvalidField) as err:
+        extract_items(body)
+    assert err.value.field == "body.chat_completions.messages[0].content[0].type"
+    assert "must be a string" in str(err.value)
