@@ -19,6 +19,7 @@ import heapq
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from sys import intern
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from stream.core.events import (
@@ -137,6 +138,10 @@ class _Partial(NamedTuple):
 class CacheState:
     """All endpoints' LRUs plus an inverted index (hash -> endpoints) for matching.
 
+    Hashes and endpoint names are interned as they come in, so that each is stored once
+    however many LRUs and index sets hold it: every decoded event and store record brings
+    its own copies (~110 B a sha256 hex hash, more than the entry itself).
+
     Digest bookkeeping (invariant: an endpoint whose LRU changed since its digest was
     last computed is in ``_dirty``, in ``_queue`` or is ``_partial``): ``_records`` maps
     each endpoint hashed since its last change to its part of the combined digest.
@@ -187,7 +192,7 @@ class CacheState:
         return effects
 
     def _place(self, event: ItemsPlaced, position: Position, effects: Effects) -> None:
-        name = event.endpoint
+        name = intern(event.endpoint)
         self._dirty.add(name)
         cache = self.endpoints.get(name)
         if cache is None:
@@ -197,7 +202,7 @@ class CacheState:
         offset = position.offset
         weight = cache.weight
         for index, item in enumerate(event.items):
-            digest, size = item.hash, item.size
+            digest, size = intern(item.hash), item.size
             if by_size and size > limit:
                 continue
             previous = entries.pop(digest, None)
@@ -336,6 +341,7 @@ class CacheState:
         Changes of a partition arrive in the order the owner's fold made them, so an
         upsert is the entry's most recent touch: it goes to the recent end of the LRU.
         """
+        endpoint, digest = intern(endpoint), intern(digest)
         cache = self.endpoints.get(endpoint)
         self._dirty.add(endpoint)
         if size is None:
@@ -368,7 +374,7 @@ class CacheState:
 
     def restore_lru(self, partition: int, name: str, entries: Iterable[tuple[str, int]]) -> None:
         """Load one endpoint's whole LRU, given least recent first as (hash, size)."""
-        lru = dict(entries)
+        name, lru = intern(name), {intern(digest): size for digest, size in entries}
         self.endpoints[name] = EndpointCache(partition, lru, sum(lru.values()))
         self._dirty.add(name)
         holders = self.holders
@@ -387,8 +393,9 @@ class CacheState:
         never makes an answer lose a match the new view also has). Costs the old plus
         the new LRU's length.
         """
+        name = intern(name)
         old = self.endpoints.get(name)
-        lru = dict(entries)
+        lru = {intern(digest): size for digest, size in entries}
         if not lru:
             if old is not None:
                 self._drop(name, Effects())

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import pytest
 
+from stream.codec import decode_event, encode_event
 from stream.core.cache import CacheState, Capacity, Effects, EndpointMatch, Entry, combine_digests
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
@@ -863,3 +864,26 @@ def test_summary_ranks_by_items_then_name_for_any_limit():
             ("ns/p4", 2, 4), ("ns/p1", 1, 2)]
     for limit in range(8):
         assert [tuple(row) for row in state.summary(limit)] == full[:limit]
+
+
+def test_hashes_and_names_are_stored_once_whatever_carried_them():
+    """Decoded events and store records bring their own string copies; the view keeps one
+    object per hash and per endpoint name (a copy per entry was ~90 B of ~260 B)."""
+    state = CacheState(Capacity("items", 8))
+
+    def fresh(text: str) -> str:
+        return "".join(list(text))  # an equal string, never the same object
+
+    raw = encode_event(ItemsPlaced(endpoint="ns/a", items=[Item("h" * 64, 1, "image")]))
+    state.apply(decode_event(raw), Position(0, 0))
+    state.apply(decode_event(raw), Position(0, 1))
+    state.apply(ItemsPlaced(endpoint=fresh("ns/b"), items=[Item(fresh("h" * 64), 1, "image")]),
+                Position(1, 0))
+    state.follow(2, fresh("ns/c"), fresh("h" * 64), 1)
+    state.restore_lru(3, fresh("ns/d"), [(fresh("h" * 64), 1)])
+    state.replace_lru(4, fresh("ns/e"), [(fresh("h" * 64), 1)])
+    keys = [next(iter(cache.entries)) for cache in state.endpoints.values()]
+    assert len(keys) == 5 and all(key is keys[0] for key in keys)
+    (held,) = state.holders.values()
+    names = {id(name) for name in state.endpoints}
+    assert {id(name) for name in held} == names
