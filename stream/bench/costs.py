@@ -24,7 +24,7 @@ from stream.config import Limits
 from stream.core.cache import CacheState
 from stream.core.events import Position
 from stream.core.items import extract_items
-from stream.http_api import render_match
+from stream.core.render import render_match
 from stream.metrics import Metrics
 
 __all__ = ["INGEST_STAGES", "MATCH_STAGES", "cost_figures", "ingest_costs", "match_costs"]
@@ -36,7 +36,7 @@ MATCH_STAGES = {
     "extract_items": "item extraction (stream.core.items.extract_items)",
     "hits": "index walk (CacheState.hits)",
     "record_match": "metrics (Metrics.record_match)",
-    "render_match": "the answer (stream.http_api.render_match)",
+    "render_match": "the answer (stream.core.render.render_match)",
 }
 INGEST_STAGES = {
     "decode_event": "decoding a placement record of the log (stream.codec.decode_event)",

@@ -28,7 +28,7 @@ from aiohttp import web
 from stream.api_models import read_match
 from stream.config import Limits
 from stream.core.items import Item, extract_items
-from stream.http_api import render_match
+from stream.core.render import render_match
 from stream.kafka.embedded import free_port
 
 __all__ = ["LOOKUPS_PER_REQUEST", "DirectRate", "RedisServer", "index_keys", "load_index", "pinned",

@@ -24,7 +24,7 @@ from stream.bench.redis_control import (
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.items import extract_items
-from stream.http_api import render_match
+from stream.core.render import render_match
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server (Debian package) is not installed")

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.http_api import render_match
+from stream.core.render import render_match
 
 NAMES = ["ns/a", "ns/b", 'ns/"quoted"', "ns/ünïcode", "ns/\\slash"]
 HASHES = ["h1", "h2", "h3", "h4"]
