@@ -15,8 +15,10 @@ Invariants, in the order the drain loop keeps them:
    active and the app's flow control is open (waiting for it, as the conductor does,
    unless the flow is suspended meanwhile), the partition is active (not paused for
    recovery), and the consumer generation is the one the batch was fetched in. When a
-   rebalance or stop interrupts a fetch, its unhandled records are dropped unread, as
-   Faust drops them: the resume after recovery seeks back to the committed offsets.
+   rebalance or stop interrupts a fetch, or its partition was paused since, its unhandled
+   records are given back (``_BatchDrain.give_back``: the partition seeks back to the
+   first of them). Faust drops them and leaves it to its seek to the committed offsets,
+   which moves nothing for a partition with no committed offset yet.
 2. Records below the partition's read offset were read already and are dropped; offsets
    absent between read records (compaction, transaction markers) are registered as gaps
    with Faust's ``_add_gap``, so commits do not stall on them.
@@ -67,6 +69,7 @@ from typing import Any
 
 import faust
 from aiokafka.errors import IllegalStateError
+from faust.tables import TableManager
 from faust.transport.consumer import CONSUMER_FETCHING, Consumer
 from faust.types import TP
 from faust.types.tuples import ack_lock
@@ -76,7 +79,8 @@ from stream.kafka.coordinator import LostMembership, confirm_membership, generat
 from stream.kafka.coordinator import check_version as check_coordinator_version
 
 __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
-           "check_versions", "confirm_owner", "install", "owner_generation", "plan_batch"]
+           "PromptTableManager", "check_versions", "confirm_owner", "install",
+           "owner_generation", "plan_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +189,19 @@ def install(app: faust.App, handlers: Mapping[str, BatchHandler]) -> None:
     if _original_drain is None:
         _original_drain = Consumer._drain_messages
         Consumer._drain_messages = _drain_messages  # type: ignore[method-assign]
+
+
+class PromptTableManager(TableManager):
+    """Faust's table manager without the 1 s it sleeps when it starts (its ``on_start``),
+    meant for tables still being declared: a worker declares its tables before it
+    starts, and the second is a second more of every start to ready. Given to the app as
+    its ``TableManager`` setting; the rest of ``on_start`` is Faust's, as pinned."""
+
+    async def on_start(self) -> None:
+        """Faust's start of the table manager, less the sleep."""
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
 
 
 def check_versions(installed: Callable[[str], str] | None = None) -> None:

@@ -6,15 +6,17 @@ drain loop itself is tested against the real Faust consumer on the broker in
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import faust
 import pytest
+from faust.tables import TableManager
 from hypothesis import given
 from hypothesis import strategies as st
 
 from stream import faust_batches
-from stream.faust_batches import plan_batch
+from stream.faust_batches import PromptTableManager, plan_batch
 
 
 def records(*offsets: int) -> list[SimpleNamespace]:
@@ -125,3 +127,16 @@ def test_every_listed_private_name_is_on_the_real_consumer_of_an_app():
     consumer = app.consumer  # built lazily, not started: no broker needed
     faust_batches.check_consumer(consumer)
     assert all(name.startswith("_") for name in faust_batches.CONSUMER_PRIVATE)
+
+
+def test_the_prompt_table_manager_is_fausts_start_less_its_one_second_sleep():
+    """PromptTableManager.on_start does what the pinned TableManager.on_start does after
+    its sleep; if Faust's changes, this says so before a worker starts differently."""
+    def calls(method: object) -> list[str]:
+        return [line.strip() for line in inspect.getsource(method).splitlines()
+                if line.strip().startswith(("await", "if"))]
+
+    faust_start, ours = calls(TableManager.on_start), calls(PromptTableManager.on_start)
+    assert faust_start[0] == "await self.sleep(1.0)"
+    assert ours == faust_start[1:] == ["if not self.should_stop:", "await self._update_channels()",
+                                       "await self.recovery.start()"]
