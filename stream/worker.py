@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.datadir import TABLE_NAME
-from stream.faust_batches import confirm_owner, owner_generation
+from stream.faust_batches import PromptTableManager, confirm_owner, owner_generation
 from stream.faust_batches import install as install_batch_path
 from stream.follower import ChangelogFollower
 from stream.http_api import HttpApi
@@ -42,10 +43,11 @@ from stream.keeper import StateKeeper
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.readiness import Readiness
+from stream.stall_watch import StallWatch
 from stream.table_mirror import MappingMirror, Mirror, TableMirror, gate_changelog_restore
 
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
-           "TableMirror", "build_worker", "faust_settings"]
+           "TableMirror", "build_worker", "faust_settings", "rewind_stalled"]
 
 # Events reach the handler in whole fetched batches (stream.faust_batches) of at most
 # MAX_POLL_RECORDS over all partitions; each partition's batch costs two round trips
@@ -135,9 +137,32 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "table_standby_replicas": 0,
         "topic_disable_leader": True,
         "autodiscover": False,
+        "TableManager": PromptTableManager,  # no 1 s sleep at start (stream.faust_batches)
         "topic_replication_factor": settings.replication_factor or 1,
         **timings,
     }
+
+
+async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
+                         watch: StallWatch, now: float) -> list[int]:
+    """Outside rebalances, fetch again from the view's applied offset each owned partition
+    of ``topic`` that ``watch`` finds stalled (behind the log's end, applied offset unmoved:
+    ``stream.stall_watch``); return those partitions."""
+    consumer = app.consumer
+    if app.rebalancing or not consumer.flow_active:
+        return []
+    figures = {}
+    for tp in consumer.assignment():
+        end = consumer.highwater(tp) if tp.topic == topic else None
+        if end is not None:
+            figures[tp.partition] = (applied.get(tp.partition, -1), end)
+    stalled = watch.stalled(figures, now)
+    for partition in stalled:
+        done, end = figures[partition]
+        log.warning("partition %d: %d events on the log not applied for %.0f s: fetching them "
+                    "again from offset %d", partition, end - done - 1, watch.after_s, done + 1)
+        await consumer.seek(TP(topic, partition), done + 1)
+    return stalled
 
 
 def build_worker(
@@ -211,6 +236,12 @@ def build_worker(
         async for event in stream.events():
             raise RuntimeError(f"event at partition {event.message.partition} offset "
                                f"{event.message.offset} reached the agent, not the batch path")
+
+    stall_watch = StallWatch()
+
+    @app.timer(interval=1.0, name="rewind-stalled-partitions")
+    async def rewind_stalled_partitions() -> None:
+        await rewind_stalled(app, settings.events_topic, state.applied, stall_watch, time.monotonic())
 
     reload_turn = asyncio.Lock()
     recoveries = 0

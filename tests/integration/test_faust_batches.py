@@ -29,6 +29,8 @@ from faust.types import TP
 
 from stream import faust_batches
 from stream.kafka import tansu
+from stream.stall_watch import StallWatch
+from stream.worker import rewind_stalled
 
 pytestmark = pytest.mark.integration
 
@@ -233,6 +235,42 @@ def test_records_of_a_partition_paused_since_their_fetch_are_delivered_when_it_r
         finally:
             await stop(app)
         assert paused and handled[paused[0]] == list(range(20))  # each once, in order
+
+    asyncio.run(asyncio.wait_for(run(), 40))
+
+
+def test_a_stalled_partition_is_fetched_again_from_the_applied_offset(
+        bootstrap: str, tmp_path: Path) -> None:
+    """A partition whose position went past records nobody handled (as a drop that gives
+    nothing back would leave it) is behind the log with its applied offset unmoved:
+    ``rewind_stalled`` seeks it back and the records come."""
+    app_id, topic = names()
+    handled: list[int] = []
+    tp = TP(topic, 0)
+
+    async def handler(partition: int, records: Sequence[Any]) -> None:
+        handled.extend(r.offset for r in records)
+
+    async def run() -> None:
+        await produce(bootstrap, topic, 10, 1)
+        app = make_app(bootstrap, app_id, topic, 1, handler, tmp_path)
+        await app.start()
+        try:
+            await until(lambda: handled == list(range(10)), 20, "the first records handled")
+            app.consumer.pause_partitions({tp})
+            await produce(bootstrap, topic, 5, 1)  # offsets 10-14, then lost by a seek past them
+            await app.consumer.seek(tp, 15)
+            app.consumer.resume_partitions({tp})
+            watch = StallWatch(after_s=1.0)
+            applied = {0: 9}  # the view's, as the keeper keeps it
+            await until(lambda: app.consumer.highwater(tp) == 15, 10, "the log's end read")
+            assert await rewind_stalled(app, topic, applied, watch, 0.0) == []  # behind: noted
+            await asyncio.sleep(1.0)
+            assert handled == list(range(10))  # nothing fetched past the seek
+            assert await rewind_stalled(app, topic, applied, watch, 1.0) == [0]
+            await until(lambda: handled == list(range(15)), 10, "the lost records fetched again")
+        finally:
+            await stop(app)
 
     asyncio.run(asyncio.wait_for(run(), 40))
 

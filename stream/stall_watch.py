@@ -1,0 +1,47 @@
+"""An owned partition whose events sit on the log unapplied, its owner idle, is fetched
+again from the view's applied offset.
+
+Faust's consumer can drop fetched records without moving its position back
+(``stream.faust_batches`` gives back every such record it found: a survivor that took
+over a dead owner's partitions once skipped their first events so and never applied
+them). Were another such path left, the partition's lag would hold still while nothing
+is applied, and the view would stay behind until the next rebalance. This rule notices
+that: behind the log's end with the applied offset unmoved for ``after_s`` seconds. A
+fetch from the applied offset is always safe: the keeper skips what it applied already.
+
+``StallWatch`` is the rule, pure (the clock and the figures are given); the worker asks
+it once a second (``stream.worker``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["StallWatch"]
+
+
+class StallWatch:
+    """Partitions behind the log's end whose applied offset has not moved for a while."""
+
+    def __init__(self, after_s: float = 5.0) -> None:
+        self.after_s = after_s
+        self._since: dict[int, tuple[int, float]] = {}  # partition -> (applied, unmoved since)
+
+    def stalled(self, figures: Mapping[int, tuple[int, int]], now: float) -> list[int]:
+        """The partitions to fetch again, from ``partition -> (applied offset, end offset)``
+        of the owned partitions now; each is given once per ``after_s`` it stays so."""
+        since = self._since
+        for partition in since.keys() - figures.keys():
+            del since[partition]  # no longer owned
+        found = []
+        for partition, (applied, end) in figures.items():
+            if applied + 1 >= end:
+                since.pop(partition, None)  # caught up
+                continue
+            seen = since.get(partition)
+            if seen is None or seen[0] != applied:
+                since[partition] = (applied, now)  # behind, but moving
+            elif now - seen[1] >= self.after_s:
+                found.append(partition)
+                since[partition] = (applied, now)
+        return found

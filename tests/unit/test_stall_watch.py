@@ -1,0 +1,29 @@
+"""StallWatch: an owned partition behind the log with its applied offset unmoved."""
+
+from __future__ import annotations
+
+from stream.stall_watch import StallWatch
+
+
+def test_a_partition_behind_and_unmoved_for_the_interval_is_stalled_once_per_interval():
+    watch = StallWatch(after_s=5)
+    assert watch.stalled({0: (1, 4)}, now=0) == []
+    assert watch.stalled({0: (1, 4)}, now=4.9) == []
+    assert watch.stalled({0: (1, 4)}, now=5) == [0]
+    assert watch.stalled({0: (1, 4)}, now=6) == []  # given once, then another interval
+    assert watch.stalled({0: (1, 4)}, now=10) == [0]
+
+
+def test_a_partition_that_moves_or_is_caught_up_is_never_stalled():
+    watch = StallWatch(after_s=5)
+    for second in range(20):
+        # partition 0 applies one event a second and stays behind; 1 is at the end
+        assert watch.stalled({0: (second, second + 100), 1: (9, 10)}, now=second) == []
+
+
+def test_a_partition_no_longer_owned_is_forgotten():
+    watch = StallWatch(after_s=5)
+    watch.stalled({0: (1, 4)}, now=0)
+    watch.stalled({}, now=3)  # revoked
+    assert watch.stalled({0: (1, 4)}, now=6) == []  # owned again: a new interval
+    assert watch.stalled({0: (1, 4)}, now=11) == [0]
