@@ -27,3 +27,16 @@ def test_a_partition_no_longer_owned_is_forgotten():
     watch.stalled({}, now=3)  # revoked
     assert watch.stalled({0: (1, 4)}, now=6) == []  # owned again: a new interval
     assert watch.stalled({0: (1, 4)}, now=11) == [0]
+
+
+def test_partitions_waiting_their_turn_in_a_backlog_are_not_stalled():
+    """While any owned partition applies events, the worker is busy (a fetch returns a few
+    partitions' records at a time): the others are not stalled, however long they wait."""
+    watch = StallWatch(after_s=5)
+    for second in range(30):
+        figures = {0: (second * 1000, 10**6), 1: (7, 10**6)}  # 0 moves, 1 waits its turn
+        assert watch.stalled(figures, now=second) == []
+    # the backlog of 0 is done and nothing moves any more: 1 is stalled after the interval
+    for second in range(30, 35):
+        assert watch.stalled({0: (10**6 - 1, 10**6), 1: (7, 10**6)}, now=second) == []
+    assert watch.stalled({0: (10**6 - 1, 10**6), 1: (7, 10**6)}, now=35) == [1]
