@@ -80,7 +80,7 @@ from stream.kafka.coordinator import check_version as check_coordinator_version
 
 __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
            "PromptTableManager", "check_versions", "confirm_owner", "install",
-           "owner_generation", "plan_batch"]
+           "committed_offset", "owner_generation", "plan_batch", "seek"]
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,20 @@ async def confirm_owner(app: faust.App, generation: int, tp: TP, *, ask: bool = 
     await thread.call_thread(confirm_membership, thread._ensure_consumer(), generation)
 
 
+async def seek(consumer: Any, tp: TP, offset: int) -> None:
+    """``Consumer.seek`` with aiokafka's seek run on Faust's consumer thread, where aiokafka
+    and its fetcher live: Faust's own calls it from the caller's thread, where it races
+    the fetcher over its buffered records and wakes the other thread's loop unsafely."""
+    thread = consumer._thread
+    await thread.call_thread(thread.seek, tp, offset)
+    consumer._read_offset[tp] = offset if offset else None
+
+
+def committed_offset(consumer: Any, tp: TP) -> int | None:
+    """The offset Faust last committed for ``tp`` (``None``: none yet)."""
+    return consumer._committed_offset.get(tp)  # type: ignore[no-any-return]
+
+
 def check_consumer(consumer: Any) -> None:
     """Refuse a consumer instance that lacks a private name this module uses."""
     missing = [name for name in CONSUMER_PRIVATE if not hasattr(consumer, name)]
@@ -374,7 +388,7 @@ class _BatchDrain:
             if not records:
                 continue
             try:
-                await consumer.seek(tp, records[0].offset)
+                await seek(consumer, tp, records[0].offset)
             except IllegalStateError:
                 pass  # not assigned any more
             except Exception as exc:  # noqa: BLE001 - as Faust's own seek on this path

@@ -31,6 +31,11 @@ class StallWatch:
         self._since: dict[int, tuple[int, float]] = {}  # partition -> (applied, unmoved since)
         self._idle_since: float | None = None  # no owned partition applied anything since
 
+    def reset(self) -> None:
+        """Forget what was seen (a rebalance: offsets and owners may change meanwhile)."""
+        self._since.clear()
+        self._idle_since = None
+
     def stalled(self, figures: Mapping[int, tuple[int, int]], now: float) -> list[int]:
         """The partitions to fetch again, from ``partition -> (applied offset, end offset)``
         of the owned partitions now; each is given once per ``after_s`` it stays so."""

@@ -24,13 +24,20 @@ from typing import Any
 import faust
 import mode
 from aiohttp import web
+from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
 from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.datadir import TABLE_NAME
-from stream.faust_batches import PromptTableManager, confirm_owner, owner_generation
+from stream.faust_batches import (
+    PromptTableManager,
+    committed_offset,
+    confirm_owner,
+    owner_generation,
+    seek,
+)
 from stream.faust_batches import install as install_batch_path
 from stream.follower import ChangelogFollower
 from stream.http_api import HttpApi
@@ -145,11 +152,14 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
 
 async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
                          watch: StallWatch, now: float) -> list[int]:
-    """Outside rebalances, fetch again from the view's applied offset each owned partition
-    of ``topic`` that ``watch`` finds stalled (behind the log's end, applied offset unmoved:
-    ``stream.stall_watch``); return those partitions."""
+    """Outside rebalances, fetch again each owned partition of ``topic`` that ``watch``
+    finds stalled (behind the log's end, applied offset unmoved: ``stream.stall_watch``)
+    from the view's applied offset, or from the committed offset when that is lower (a
+    batch handled but not acknowledged before a rebalance: its offsets must come again to
+    be acknowledged); return those partitions. A rebalance starts the watch afresh."""
     consumer = app.consumer
     if app.rebalancing or not consumer.flow_active:
+        watch.reset()
         return []
     figures = {}
     for tp in consumer.assignment():
@@ -159,9 +169,15 @@ async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
     stalled = watch.stalled(figures, now)
     for partition in stalled:
         done, end = figures[partition]
+        tp = TP(topic, partition)
+        committed = committed_offset(consumer, tp)
+        offset = done + 1 if committed is None else min(done + 1, committed)
         log.warning("partition %d: %d events on the log not applied for %.0f s: fetching them "
-                    "again from offset %d", partition, end - done - 1, watch.after_s, done + 1)
-        await consumer.seek(TP(topic, partition), done + 1)
+                    "again from offset %d", partition, end - done - 1, watch.after_s, offset)
+        try:
+            await seek(consumer, tp, offset)
+        except IllegalStateError:
+            pass  # revoked meanwhile: its next owner starts from the committed offset
     return stalled
 
 

@@ -268,7 +268,9 @@ def test_a_stalled_partition_is_fetched_again_from_the_applied_offset(
             await asyncio.sleep(1.0)
             assert handled == list(range(10))  # nothing fetched past the seek
             assert await rewind_stalled(app, topic, applied, watch, 1.0) == [0]
-            await until(lambda: handled == list(range(15)), 10, "the lost records fetched again")
+            # from the applied offset, or the committed one when lower (re-taken ones are
+            # skipped by the keeper)
+            await until(lambda: set(handled) == set(range(15)), 10, "the lost records fetched again")
         finally:
             await stop(app)
 

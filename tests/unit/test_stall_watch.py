@@ -40,3 +40,12 @@ def test_partitions_waiting_their_turn_in_a_backlog_are_not_stalled():
     for second in range(30, 35):
         assert watch.stalled({0: (10**6 - 1, 10**6), 1: (7, 10**6)}, now=second) == []
     assert watch.stalled({0: (10**6 - 1, 10**6), 1: (7, 10**6)}, now=35) == [1]
+
+
+def test_a_reset_starts_afresh():
+    """After a rebalance (reset) the time a partition was seen unmoved before it does not count."""
+    watch = StallWatch(after_s=5)
+    watch.stalled({0: (1, 4)}, now=0)
+    watch.reset()
+    assert watch.stalled({0: (1, 4)}, now=6) == []
+    assert watch.stalled({0: (1, 4)}, now=11) == [0]
