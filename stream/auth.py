@@ -14,14 +14,20 @@ never logged and never part of an error.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-__all__ = ["TokenFile", "TokenFileError", "open_token_file", "read_tokens"]
+if TYPE_CHECKING:
+    from stream.config import Settings
+
+__all__ = ["TokenFile", "TokenFileError", "is_loopback", "open_token_file", "read_tokens",
+           "refuse_open_writes"]
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +122,42 @@ def open_token_file(path: Path | None, flag: str) -> TokenFile | None:
         return TokenFile(path)
     except TokenFileError as exc:
         raise SystemExit(f"configuration error: {flag}: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` reaches only this machine: ``localhost``, 127.0.0.0/8 or ::1
+    (also written ``[::1]`` or IPv4-mapped). Any other name or address, the wildcards
+    ``0.0.0.0`` and ``::`` included, may be reached from outside."""
+    name = host.strip().rstrip(".").lower()
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def refuse_open_writes(settings: Settings) -> None:
+    """Protected by default, as Redis's protected mode: `serve` on an address other than
+    loopback without ``--auth-token-file`` stops here, before anything is started, with
+    one line saying what to give; ``--allow-unauthenticated-writes`` says it is meant (a
+    warning, once). A token file that is given is read now, so a missing one is refused
+    as early."""
+    if settings.auth_token_file is not None:
+        open_token_file(settings.auth_token_file, "--auth-token-file")
+        return
+    if is_loopback(settings.host):
+        return
+    where = f"{settings.host}:{settings.port}"
+    if settings.allow_unauthenticated_writes:
+        log.warning("HTTP on %s with writes and /v1/state open (--allow-unauthenticated-writes): "
+                    "anyone who reaches it can change or drop the whole state", where)
+        return
+    raise SystemExit(
+        f"--host {settings.host} (or MMCACHE_HOST) is not a loopback address and writes are open: "
+        "give --auth-token-file FILE (env MMCACHE_AUTH_TOKEN_FILE; bearer tokens, one a line), "
+        "or listen on 127.0.0.1, or pass --allow-unauthenticated-writes (env "
+        "MMCACHE_ALLOW_UNAUTHENTICATED_WRITES=1) to serve them open on purpose")

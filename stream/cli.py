@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from stream.auth import refuse_open_writes
 from stream.config import (
     ConfigError,
     KafkaSecurity,
@@ -44,8 +45,9 @@ log = logging.getLogger("mmcache")
 
 _CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server")
 _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
-                *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file", "tls_cert", "tls_key",
-                "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "log_level")
+                *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
+                "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
+                "shutdown_timeout_s", "max_lag_events", "log_level")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries whose INFO lines (group joins, partition tables, every service starting)
 # are noise for an operator; they speak at WARNING unless --log-level debug.
@@ -133,6 +135,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"HTTP {scheme}://{settings.host}:{settings.port}",
         "auth for writes and /v1/state " + (f"on (tokens from {settings.auth_token_file})"
                                             if settings.auth_token_file else "off"),
+        *(["writes open on purpose (--allow-unauthenticated-writes)"]
+          if settings.allow_unauthenticated_writes and not settings.auth_token_file else []),
         "auth for /v1/match " + (f"on (tokens from {settings.match_auth_token_file})"
                                  if settings.match_auth_token_file else "off"),
         f"produce timeout {settings.produce_timeout_s:g} s",
@@ -206,6 +210,7 @@ def _serve(args: argparse.Namespace) -> None:
     _apply_log_level(settings.log_level)
     if resolved.plugin is not None:
         log.info("--config %s", resolved.plugin.describe())
+    refuse_open_writes(settings)
     _refuse_file_as_data_dir(settings.data_dir)
     datadir = DataDir(settings.data_dir)
     datadir.refuse_foreign()  # before a broker is started for nothing (claim checks again)
@@ -438,7 +443,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a worker (Faust consumer of the event topic, RocksDB state, HTTP API) in "
         "the foreground until SIGINT or SIGTERM.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    _flag(serve, "--host", "address the HTTP API listens on")
+    _flag(serve, "--host", "address the HTTP API listens on; any address but loopback "
+          "(127.0.0.0/8, ::1, localhost) needs --auth-token-file or --allow-unauthenticated-writes")
     _flag(serve, "--port", "HTTP port", type=int)
     _flag(serve, "--app-id", "workers with the same app id on the same cluster share the work and "
           "one view; names the topics")
@@ -453,6 +459,9 @@ def _parser() -> argparse.ArgumentParser:
           type=Path, default="open", metavar="FILE")
     _flag(serve, "--match-auth-token-file", "bearer tokens required by /v1/match", type=Path,
           default="open", metavar="FILE")
+    _flag(serve, "--allow-unauthenticated-writes", "serve writes and /v1/state without tokens on "
+          "an address other than loopback, on purpose (refused otherwise)", default="off",
+          action="store_const", const=True)  # None when absent: the variable still counts
     _flag(serve, "--tls-cert", "serve HTTPS with this certificate (with --tls-key)", type=Path,
           default="plain HTTP", metavar="FILE")
     _flag(serve, "--tls-key", "private key of --tls-cert", type=Path, default="none", metavar="FILE")

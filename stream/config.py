@@ -81,7 +81,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True, hide_input_in_errors=True)
 
-    host: str = "0.0.0.0"
+    # loopback unless told otherwise; any other address needs write tokens (stream.auth)
+    host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     app_id: str = Field("mmcache", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     data_dir: Path = Path(".mmcache")
@@ -100,6 +101,7 @@ class Settings(BaseSettings):
     max_lag_events: int | None = Field(None, ge=0)
     auth_token_file: Path | None = None
     match_auth_token_file: Path | None = None
+    allow_unauthenticated_writes: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -295,8 +297,8 @@ def setting_names(model: str, field_name: str) -> str:
 FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
-    "match_auth_token_file", "tls_cert", "tls_key", "produce_timeout_s", "shutdown_timeout_s",
-    "max_lag_events", "log_level",
+    "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
+    "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "log_level",
 })
 
 
