@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 # The install compiles the modules of pyproject's [tool.mmcache] compiled in place
 # (setup.py), so it is redone when their source changes: a stale build would be tested.
+# Without a C compiler it installs their pure-Python source; stream.compiled says which.
 COMPILED := $(shell $(PYTHON) -c 'import tomllib; print(*(m.replace(".", "/") + ".py" for m in tomllib.load(open("pyproject.toml", "rb"))["tool"]["mmcache"]["compiled"]))')
 
 $(STAMP): pyproject.toml setup.py $(COMPILED)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -m stream.compiled
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from stream.auth import refuse_open_writes
+from stream.compiled import warn_stale
 from stream.config import (
     ConfigError,
     KafkaSecurity,
@@ -208,6 +209,7 @@ def _serve(args: argparse.Namespace) -> None:
     resolved = _settings(args)
     settings = resolved.settings
     _apply_log_level(settings.log_level)
+    warn_stale(log)  # a compiled module older than its source (a stale in-place build)
     if resolved.plugin is not None:
         log.info("--config %s", resolved.plugin.describe())
     refuse_open_writes(settings)
