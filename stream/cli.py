@@ -195,9 +195,12 @@ def _logging_config(level: str) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> None:
     """Run a worker until SIGINT/SIGTERM, in this order: refuse a data dir that is not
-    ours and a port that is taken, find the cluster (start the embedded broker, or ask
-    the given one for its id), claim the dir (lock, cluster check), start reading the
-    local state, log the effective configuration, run Faust with a bound on its shutdown."""
+    ours, take its lock (a second serve on it is refused before anything starts), refuse
+    a port that is taken, find the cluster (start the embedded broker and give it back
+    the log kept in the data dir, or ask the given cluster for its id), claim the dir
+    (cluster check), start reading the local state, keep the embedded broker's log,
+    log the effective configuration, run Faust with a bound on its shutdown; then stop
+    Faust, the log's journal and the broker, in that order."""
     from stream.datadir import DataDir
     from stream.kafka.fetcher import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu_id
@@ -215,23 +218,21 @@ def _serve(args: argparse.Namespace) -> None:
     refuse_open_writes(settings)
     _refuse_file_as_data_dir(settings.data_dir)
     datadir = DataDir(settings.data_dir)
-    datadir.refuse_foreign()  # before a broker is started for nothing (claim checks again)
+    datadir.refuse_foreign()  # before the lock file is added to a dir that is not ours
+    datadir.root.mkdir(parents=True, exist_ok=True)
+    datadir.lock()
     _refuse_taken_port(settings.host, settings.port)
-    broker = None
+    broker = journal = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
         cluster = _cluster_id(bootstrap, settings)
     else:
-        broker = _start_broker(EmbeddedBroker())
+        broker, journal = _start_embedded(datadir, settings)
         bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
-        log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker "
-                    "(Tansu, memory only) on %s for development", bootstrap)
     loop = new_event_loop()
     try:
-        # The embedded broker's log lives in memory: state from an earlier run describes
-        # a log that no longer exists, so that state (only ours) is cleared.
         datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
-                      fresh=broker is not None, cluster_id=cluster)
+                      cluster_id=cluster)
         # Forked before any thread runs and before Faust is imported. A seeded dir is
         # rewritten first, so it is not preloaded.
         preload = None if datadir.seed.exists() else LocalPreload(datadir, settings.capacity).start()
@@ -245,8 +246,11 @@ def _serve(args: argparse.Namespace) -> None:
             partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
         except ValueError as exc:
             raise SystemExit(f"configuration error: {exc}") from None
+        changelog = changelog_topic(settings.app_id)
+        if journal is not None:
+            journal = _keep_embedded_log(journal, settings, changelog, partitions)
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
-                                               changelog_topic(settings.app_id)))
+                                               changelog))
         if resolved.capacity_source == "default":
             log.warning("capacity is the Go plugin's default guess (%d items per endpoint), far "
                         "more than a vLLM encoder cache holds (encoder_cache_size embeddings, "
@@ -258,19 +262,78 @@ def _serve(args: argparse.Namespace) -> None:
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
             )
         worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
-                              preload=preload)
+                              preload=preload,
+                              stored=None if journal is None else journal.wait_stored)
         worker.logging_config = _logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
-        # only once the changelog holds their records, so they are never ahead of it.
-        guard_worker(worker, settings.shutdown_timeout_s, [datadir.release])
+        # only once the changelog holds their records, so they are never ahead of it. With
+        # the embedded broker, only once the kept log holds that changelog too.
+        guard_worker(worker, settings.shutdown_timeout_s,
+                     [lambda: _release(datadir, journal, 0.5)])
         worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
-            datadir.release()
+            _release(datadir, journal, settings.shutdown_timeout_s)
         raise
     finally:
+        if journal is not None:
+            journal.stop()
         if broker is not None:
             broker.stop()
+
+
+def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, Any]:
+    """Start serve's own broker with the cluster id of the log the data dir keeps (a new
+    one for a new dir) and give it that log back, offsets and all; refuse a dir built
+    against another cluster. Returns the broker and the (not yet started) journal."""
+    from stream.kafka.embedded_log import EmbeddedLog, Journal
+
+    kept = datadir.embedded_cluster()  # refuses a state of another cluster first
+    log_files = EmbeddedLog(datadir.log_root)
+    broker = _start_broker(EmbeddedBroker(cluster_id=kept))
+    log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker (Tansu) on "
+                "%s for development; its log is kept in %s", broker.bootstrap_servers,
+                log_files.root)
+    try:
+        if kept is None:
+            log_files.create(broker.cluster_id)
+        else:
+            restored = asyncio.run(log_files.restore(broker.bootstrap_servers))
+            log.info("embedded broker's log restored from %s: %s", log_files.root,
+                     ", ".join(f"{topic} {n} records" for topic, n in restored.items()) or "empty")
+    except BaseException:
+        broker.stop()
+        raise
+    return broker, Journal(log_files, broker.bootstrap_servers, [])
+
+
+def _keep_embedded_log(journal: Any, settings: Settings, changelog: str, partitions: int) -> Any:
+    """Record the app's topics in the kept log and start its journal on them."""
+    from stream.kafka.embedded_log import Journal
+    from stream.kafka.topics import (
+        CHANGELOG_TOPIC_CONFIG,
+        DEAD_LETTER_TOPIC_CONFIG,
+        EVENTS_TOPIC_CONFIG,
+    )
+
+    topics = {settings.events_topic: (partitions, EVENTS_TOPIC_CONFIG),
+              changelog: (partitions, CHANGELOG_TOPIC_CONFIG),
+              settings.dead_letter_topic: (partitions, DEAD_LETTER_TOPIC_CONFIG)}
+    kept = journal.files.topics()
+    journal.files.record_topics({name: spec for name, spec in topics.items() if name not in kept})
+    try:
+        return Journal(journal.files, journal.bootstrap_servers, list(topics)).start()
+    except RuntimeError as exc:
+        raise SystemExit(f"cannot keep the embedded broker's log in {journal.files.root}: "
+                         f"{exc}") from None
+
+
+def _release(datadir: Any, journal: Any, timeout_s: float) -> None:
+    """Mark a clean stop, so the next start keeps the local table files; with the
+    embedded broker only once the kept log holds everything the broker does (else the
+    next start restores the files from the kept changelog)."""
+    if journal is None or journal.drain(timeout_s):
+        datadir.release()
 
 
 def _cluster_id(bootstrap: str, settings: Settings) -> str:
@@ -303,7 +366,11 @@ def _start_broker(broker: EmbeddedBroker) -> EmbeddedBroker:
 def _broker(args: argparse.Namespace) -> None:
     """Run the broker in the foreground; SIGTERM and SIGINT stop it (and the child with
     it: a child left running would hold the port and the memory)."""
-    broker = _start_broker(EmbeddedBroker(port=args.port, host=args.host))
+    from stream.kafka.embedded import STANDALONE_CLUSTER_PREFIX
+
+    # its own cluster id prefix: a dir built on it is never taken for serve's own broker's
+    broker = _start_broker(EmbeddedBroker(port=args.port, host=args.host,
+                                          prefix=STANDALONE_CLUSTER_PREFIX))
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     print(f"embedded Kafka-protocol broker listening on {broker.bootstrap_servers}", flush=True)

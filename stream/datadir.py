@@ -4,16 +4,19 @@
 capacity the state was built for, and the Kafka cluster id it was built against; a data
 dir built for other ones is refused.
 ``DATA_DIR/v1/tables/lru-<partition>.db`` are the RocksDB files (Faust's layout, so the
-worker, ``rebuild`` and ``state digest`` share them; Faust adds ``lru-backups``).
+worker, ``rebuild`` and ``state digest`` share them; Faust adds an empty ``lru-backups``).
+``DATA_DIR/v1/log`` is the embedded broker's log (``stream.kafka.embedded_log``).
 ``RUNNING`` exists while a worker owns the dir: finding it at start means the last run
-crashed, and the local files are dropped and restored from the changelog.
+crashed, and the local table files are dropped and restored from the changelog.
 ``SEED`` marks a state written by ``rebuild`` that no changelog holds yet.
 ``mmcache.lock`` is held (``flock``) by the one process that owns the dir.
 
 mmcache never deletes a file it did not create: a dir holding anything outside this
-layout is refused before anything in it is touched, and only these names are ever
-removed. (A top-level ``lost+found``, which mkfs puts on a fresh volume, is tolerated
-and left alone.)
+layout, at any depth (inside a RocksDB dir only RocksDB's own file names), is refused
+before anything in it is touched; ``RUNNING``, ``SEED`` and the marker hold content that
+says mmcache wrote them, and one that does not is refused too; and only these names are
+ever removed. (A top-level ``lost+found``, which mkfs puts on a fresh volume, is
+tolerated and left alone.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import fcntl
 import logging
 import os
 import re
-import shutil
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from rocksdict import AccessType, Options, Rdict
 
 from stream.core.cache import CacheState, Capacity
 from stream.kafka.embedded import EMBEDDED_CLUSTER_PREFIX
+from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
 from stream.store import load_partition
 
 __all__ = ["LOCK_NAME", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse", "StateMismatch"]
@@ -39,13 +43,77 @@ STATE_FORMAT = 1
 TABLE_NAME = "lru"
 LOCK_NAME = "mmcache.lock"
 _CLUSTER_KEY = "cluster_id"
-_TABLE_ENTRY = re.compile(rf"^(?:{TABLE_NAME}-\d+\.(?:db|sst)|{TABLE_NAME}-backups)$")
+_IDENTITY_KEYS = frozenset({"format", "app_id", "topic", "capacity"})
+_TABLE_DIR = re.compile(rf"^{TABLE_NAME}-\d+\.db$")
+_TABLE_SST = re.compile(rf"^{TABLE_NAME}-\d+\.sst$")  # rebuild's bulk file, before its ingest
+_BACKUPS = f"{TABLE_NAME}-backups"
+# What RocksDB (and rocksdict, its config) writes inside a database dir.
+_ROCKSDB_FILE = re.compile(
+    r"^(?:CURRENT|IDENTITY|LOCK|LOG|LOG\.old\.\d+|MANIFEST-\d+|OPTIONS-\d+(?:\.dbtmp)?"
+    r"|\d+\.(?:sst|ldb|log|blob|dbtmp)|rocksdict-config\.json)$")
+# Faust's write probe in the backups dir (tempfile.TemporaryFile, gone once closed).
+_PROBE_FILE = re.compile(r"^tmp[a-z0-9_]{8}$")
+_SIGNED_MAX_BYTES = 4096
+_MARKS = {"RUNNING", "SEED"}
 
 log = logging.getLogger(__name__)
 
 # Locks this process holds, by resolved dir: a second DataDir of the same dir in the same
 # process (tests, tools) shares the lock instead of refusing itself.
 _held: dict[str, int] = {}
+
+
+def _mark_content(name: str) -> bytes:
+    """What mmcache writes into ``RUNNING`` or ``SEED``: how it knows its own file."""
+    return orjson.dumps({"mmcache": name, "pid": os.getpid(),
+                         "written": datetime.now(UTC).isoformat(timespec="seconds")})
+
+
+def _is_our_mark(path: Path) -> bool:
+    data = _small_json(path)
+    return isinstance(data, dict) and data.get("mmcache") == path.name
+
+
+def _is_our_marker(path: Path) -> bool:
+    data = _small_json(path)
+    return isinstance(data, dict) and _IDENTITY_KEYS <= data.keys()
+
+
+def _small_json(path: Path) -> Any:
+    try:
+        if path.stat().st_size > _SIGNED_MAX_BYTES:
+            return None
+        return orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+
+
+def _is_ours(parts: tuple[str, ...], path: Path, is_dir: bool) -> bool:
+    """Whether the entry at ``parts`` (its path below the data dir) is one mmcache or
+    RocksDB writes there (entries with unknown content are not)."""
+    name, depth = parts[-1], len(parts)
+    if depth == 1:
+        if is_dir:
+            return name in ("v1", "lost+found")
+        if name in _MARKS:
+            return _is_our_mark(path)
+        if name == "mmcache-state.json":
+            return _is_our_marker(path)
+        return name in ("mmcache-state.json.tmp", LOCK_NAME)
+    if parts[0] != "v1":
+        return False
+    if depth == 2:
+        return is_dir and name in ("tables", LOG_DIR_NAME)
+    if parts[1] == LOG_DIR_NAME:
+        return is_log_entry(depth - 3, name, is_dir)
+    if depth == 3:
+        return (is_dir and (bool(_TABLE_DIR.match(name)) or name == _BACKUPS)) or (
+            not is_dir and bool(_TABLE_SST.match(name)))
+    if depth == 4 and not is_dir:
+        if parts[2] == _BACKUPS:
+            return bool(_PROBE_FILE.match(name))
+        return bool(_ROCKSDB_FILE.match(name))
+    return False
 
 
 class StateMismatch(SystemExit):
@@ -66,6 +134,7 @@ class DataDir:
         self.running = root / "RUNNING"
         self.seed = root / "SEED"
         self.tables = root / "v1" / "tables"
+        self.log_root = root / "v1" / LOG_DIR_NAME
 
     @staticmethod
     def identity(app_id: str, topic: str, capacity: Capacity) -> dict[str, Any]:
@@ -73,34 +142,52 @@ class DataDir:
         return {"format": STATE_FORMAT, "app_id": app_id, "topic": topic,
                 "capacity": list(capacity)}
 
-    def claim(self, identity: dict[str, Any], *, fresh: bool = False,
-              cluster_id: str | None = None) -> None:
+    def claim(self, identity: dict[str, Any], *, cluster_id: str | None = None) -> None:
         """Take the dir for a worker, in this order: refuse a dir holding anything that is
-        not ours (before writing anything), lock it, clear a state from an earlier
-        embedded broker (``fresh``: the broker is new, so the log that state described is
-        gone), refuse another identity or cluster, drop what a crash may have left.
-        """
+        not ours (before writing anything), lock it, refuse another identity or cluster,
+        drop the table files a crash may have left (they are restored from the changelog).
+        Nothing is ever cleared because the cluster differs: that is refused."""
         self.refuse_foreign()
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock()
-        if fresh and self.marker.exists():
-            recorded = self.recorded_cluster()
-            if recorded is None and self.seed.exists():
-                raise StateMismatch(
-                    f"{self.root} holds a rebuilt state not yet seeded into any cluster: "
-                    "nothing was deleted. Start serve with the --bootstrap-servers it was "
-                    "rebuilt from, or use another --data-dir."
-                )
-            if recorded is None or recorded.startswith(EMBEDDED_CLUSTER_PREFIX):
-                log.warning("%s holds the state of an earlier embedded broker, whose log is "
-                            "gone: clearing mmcache's files in it", self.root)
-                self._clear()
         self.check(identity, cluster_id)
         if self.running.exists() and not self.seed.exists():
             log.warning("the last worker on %s did not stop cleanly: dropping its local "
-                        "state, to be restored from the changelog", self.root)
-            shutil.rmtree(self.tables, ignore_errors=True)
-        self.running.touch()
+                        "table files, to be restored from the changelog", self.root)
+            self._remove_ours(self.tables)
+        self.running.write_bytes(_mark_content(self.running.name))
+
+    def mark_seed(self) -> None:
+        """Mark a state that ``rebuild`` wrote and no changelog holds yet."""
+        self.seed.write_bytes(_mark_content(self.seed.name))
+
+    def embedded_cluster(self) -> str | None:
+        """The cluster id to start `serve`'s own embedded broker with: the one whose log
+        this dir keeps, or None (a new one) for a dir with no state yet. A state built
+        against any other cluster (a standalone `mmcache broker`, Kafka) is refused,
+        naming it: a forgotten --bootstrap-servers never clears anything."""
+        kept = EmbeddedLog(self.log_root).cluster_id()
+        if kept is not None:
+            return kept
+        if not self.marker.exists():
+            return None
+        recorded = self.recorded_cluster()
+        if recorded is None and self.seed.exists():
+            raise StateMismatch(
+                f"{self.root} holds a rebuilt state not yet seeded into any cluster: "
+                "nothing was deleted. Start serve with the --bootstrap-servers it was "
+                "rebuilt from, or use another --data-dir."
+            )
+        gone = ""
+        if recorded is not None and recorded.startswith(EMBEDDED_CLUSTER_PREFIX):
+            gone = (" (if it was an embedded broker of an earlier mmcache version, which kept "
+                    "its log in memory only, that log is gone: use another --data-dir)")
+        raise StateMismatch(
+            f"{self.root} was built against the Kafka cluster {recorded!r}, and holds no "
+            "embedded broker's log: nothing was deleted. Start serve with --bootstrap-servers "
+            f"HOST:PORT of that cluster (env MMCACHE_BOOTSTRAP_SERVERS){gone}, or use another "
+            "--data-dir."
+        )
 
     def release(self) -> None:
         """The worker stopped; its local state is consistent with the changelog (the files
@@ -133,46 +220,25 @@ class DataDir:
             os.close(fd)  # closing the last descriptor releases the flock
 
     def foreign(self, limit: int = 3) -> list[str]:
-        """Up to ``limit`` entries of the dir that are not mmcache's (relative paths)."""
+        """Up to ``limit`` entries of the dir that are not mmcache's (relative paths),
+        looking down every level of mmcache's own dirs."""
         found: list[str] = []
         if not self.root.exists():
             return found
         if not self.root.is_dir():
             return ["."]
-        own_files = {self.marker.name, self.marker.name + ".tmp", self.running.name,
-                     self.seed.name, LOCK_NAME}
-
-        def scan(path: Path, is_ours: Any) -> list[Path]:
-            dirs = []
+        pending: list[tuple[Path, tuple[str, ...]]] = [(self.root, ())]
+        while pending and len(found) < limit:
+            path, parts = pending.pop()
             with os.scandir(path) as entries:
-                for entry in entries:
-                    kind = is_ours(entry.name, entry.is_dir(follow_symlinks=False),
-                                   entry.is_symlink())
-                    if kind == "dir":
-                        dirs.append(Path(entry.path))
-                    elif not kind and len(found) < limit:
-                        found.append(str(Path(entry.path).relative_to(self.root)))
-            return dirs
-
-        def top(name: str, is_dir: bool, link: bool) -> Any:
-            if link:
-                return False
-            if is_dir:
-                if name == "lost+found":  # made by mkfs on a fresh volume; never touched
-                    return "file"
-                return "dir" if name == "v1" else False
-            return "file" if name in own_files else False
-
-        def version(name: str, is_dir: bool, link: bool) -> Any:
-            return "dir" if name == "tables" and is_dir and not link else False
-
-        def tables(name: str, is_dir: bool, link: bool) -> Any:
-            # the inside of a RocksDB dir (and Faust's backups dir) is RocksDB's
-            return "file" if _TABLE_ENTRY.match(name) and not link else False
-
-        for v1 in scan(self.root, top):
-            for table_dir in scan(v1, version):
-                scan(table_dir, tables)
+                for entry in sorted(entries, key=lambda e: e.name):
+                    here = (*parts, entry.name)
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    if entry.is_symlink() or not _is_ours(here, Path(entry.path), is_dir):
+                        if len(found) < limit:
+                            found.append(os.path.join(*here))
+                    elif is_dir and here != ("lost+found",):
+                        pending.append((Path(entry.path), here))
         return found
 
     def refuse_foreign(self) -> None:
@@ -218,12 +284,29 @@ class DataDir:
         tmp.write_bytes(orjson.dumps(marker))
         tmp.replace(self.marker)
 
-    def _clear(self) -> None:
-        """Remove mmcache's files (the caller checked that there is nothing else), but
-        the lock this process holds."""
-        shutil.rmtree(self.root / "v1", ignore_errors=True)
-        for path in (self.marker, self.running, self.seed):
-            path.unlink(missing_ok=True)
+    def _remove_ours(self, top: Path) -> None:
+        """Remove the entries under ``top`` that mmcache or RocksDB wrote, and the dirs
+        left empty; anything else (none: the dir was checked) stays where it is."""
+        if not top.is_dir() or top.is_symlink():
+            return
+        for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+            base = Path(dirpath)
+            parts = base.relative_to(self.root).parts
+            for name in filenames:
+                path = base / name
+                if not path.is_symlink() and _is_ours((*parts, name), path, False):
+                    path.unlink()
+            for name in dirnames:
+                path = base / name
+                if not path.is_symlink() and _is_ours((*parts, name), path, True):
+                    try:
+                        path.rmdir()
+                    except OSError:
+                        log.warning("left %s in place: it is not empty", path)
+        try:
+            top.rmdir()
+        except OSError:
+            log.warning("left %s in place: it is not empty", top)
 
     def _key(self) -> str:
         return os.path.realpath(self.root)

@@ -320,7 +320,7 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
         log.info("replayed %d events (%d records skipped, as the live worker skips them: %s) in "
                  "%.2f s with %d processes: %.0f events/s", events, sum(skipped.values()),
                  skipped or "none", elapsed, count, (events + sum(skipped.values())) / max(elapsed, 1e-9))
-        datadir.seed.touch()
+        datadir.mark_seed()
     finally:
         datadir.unlock()
     return combine_digests({k: v for p in parts for k, v in p.endpoint_digests.items()})

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,7 @@ async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
 def build_worker(
     settings: Settings, bootstrap_servers: str, partitions: int, *, embedded: bool,
     preload: LocalPreload | None = None,
+    stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
 ) -> faust.Worker:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
     event log probe; nothing has started yet (but the ``preload`` of the local state,
@@ -288,7 +289,7 @@ def build_worker(
                 readiness.loaded()
 
     publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
-                               settings.max_writes_in_flight, settings.kafka)
+                               settings.max_writes_in_flight, settings.kafka, stored)
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.report,
                   write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
                   match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"))

@@ -1,15 +1,20 @@
 """The embedded Kafka-protocol broker (Tansu, memory storage) for development and tests.
 
-It keeps everything in memory: stopping it loses topics, data and committed offsets.
-So every start gets a cluster id of its own (``mmcache-embedded-tansu-<random>``; the
-'tansu' in it is how ``stream.kafka.tansu.is_tansu`` recognises the broker), and a data
-dir built against an earlier start is recognised as describing a log that is gone
-(``stream.datadir``).
+Tansu keeps everything in memory: stopping it loses topics, data and committed offsets.
+`serve`'s own embedded broker gets its log back from the data dir
+(``stream.kafka.embedded_log``), and is started with the cluster id recorded there, so a
+data dir is served again by "the same" cluster. Every other start gets a cluster id of
+its own: ``mmcache-embedded-tansu-<random>`` for `serve`'s broker,
+``mmcache-broker-tansu-<random>`` for the standalone `mmcache broker` (the 'tansu' in both
+is how ``stream.kafka.tansu.is_tansu`` recognises the broker; the prefixes tell a dir
+built against a standalone broker from one built on serve's own).
 
 The broker child must never outlive its parent, whatever ends the parent (SIGKILL
 included): it is started with Linux's parent-death signal set to SIGKILL. The kernel
 sends that signal when the *thread* that started the child ends, so start the broker
-from a thread that lives as long as the process (the main thread).
+from a thread that lives as long as the process (the main thread). It runs in a session
+of its own, so a terminal's Ctrl-C (SIGINT to the whole foreground process group) reaches
+only its parent, which stops its clients first and then the broker.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["EMBEDDED_CLUSTER_PREFIX", "EmbeddedBroker", "free_port", "new_cluster_id"]
+__all__ = ["EMBEDDED_CLUSTER_PREFIX", "STANDALONE_CLUSTER_PREFIX", "EmbeddedBroker", "free_port",
+           "new_cluster_id"]
 
 EMBEDDED_CLUSTER_PREFIX = "mmcache-embedded-tansu"
+STANDALONE_CLUSTER_PREFIX = "mmcache-broker-tansu"
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
@@ -42,9 +49,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def new_cluster_id() -> str:
+def new_cluster_id(prefix: str = EMBEDDED_CLUSTER_PREFIX) -> str:
     """A cluster id no earlier embedded broker had."""
-    return f"{EMBEDDED_CLUSTER_PREFIX}-{uuid.uuid4().hex[:16]}"
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
 def _refuse_taken_port(host: str, port: int) -> None:
@@ -83,11 +90,14 @@ def _die_with_parent() -> Callable[[], None] | None:
 class EmbeddedBroker:
     """A Tansu broker child process on a loopback port."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", log_file: Path | None = None):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", log_file: Path | None = None,
+                 cluster_id: str | None = None, prefix: str = EMBEDDED_CLUSTER_PREFIX):
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
-        self.cluster_id = new_cluster_id()
+        self.prefix = prefix
+        self.fixed_cluster_id = cluster_id
+        self.cluster_id = cluster_id or new_cluster_id(prefix)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -101,10 +111,11 @@ class EmbeddedBroker:
         return None if self._process is None else self._process.pid
 
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
-        """Start the broker (with a new cluster id) and wait until it accepts connections."""
+        """Start the broker (with the given cluster id, else a new one) and wait until it
+        accepts connections."""
         url = f"tcp://{self.host}:{self.port}"
         _refuse_taken_port(self.host, self.port)
-        self.cluster_id = new_cluster_id()
+        self.cluster_id = self.fixed_cluster_id or new_cluster_id(self.prefix)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
             self._process = subprocess.Popen(  # noqa: PLW1509 - preexec_fn only calls prctl
@@ -118,6 +129,7 @@ class EmbeddedBroker:
                 ],
                 stdout=out,
                 stderr=out,
+                start_new_session=True,  # no terminal Ctrl-C: its parent stops it, in order
                 preexec_fn=_die_with_parent(),
             )
         finally:

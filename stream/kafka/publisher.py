@@ -5,6 +5,10 @@ metadata wait and request timeout) and in number (``max_in_flight`` writes waiti
 the broker at once). A write over either bound raises ``LogUnavailable`` and was *not
 acknowledged*: it may still reach the log, so the caller may retry (a placement or a
 deletion written twice has the effect of one).
+
+On `serve`'s own embedded broker, whose log is kept in the data dir by a journal
+(``stream.kafka.embedded_log``), a write is acknowledged only once the journal has
+stored its offsets too (``stored``), within the same time budget.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from aiokafka import AIOKafkaProducer
@@ -47,12 +51,15 @@ class EventPublisher:
     """Keyed by endpoint so that every event of an endpoint lands in one partition."""
 
     def __init__(self, bootstrap_servers: str, topic: str, timeout_s: float,
-                 max_in_flight: int = 256, security: KafkaSecurity | None = None) -> None:
+                 max_in_flight: int = 256, security: KafkaSecurity | None = None,
+                 stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
+                 ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.timeout_s = timeout_s
         self.max_in_flight = max_in_flight
         self.security = security or KafkaSecurity()
+        self.stored = stored  # (topic, [(partition, offset)]): returns once those are kept
         self.in_flight = 0
         self._producer: AIOKafkaProducer
         self._failures = 0
@@ -118,7 +125,9 @@ class EventPublisher:
             await self._producer.send(self.topic, value, key=key, partition=partition)
             for key, partition, value in records
         ]
-        await asyncio.gather(*acks)
+        written = await asyncio.gather(*acks)
+        if self.stored is not None:
+            await self.stored(self.topic, [(m.partition, m.offset) for m in written])
         return len(records)
 
     def _warn(self, exc: BaseException) -> None:

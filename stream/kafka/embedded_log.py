@@ -1,0 +1,425 @@
+"""The embedded broker's log, kept in the data dir (Tansu here keeps its own in memory).
+
+While `serve` runs its own embedded broker, one ``Journal`` (a thread of the serve
+process) tails every partition of mmcache's topics on it (events, changelog, dead
+letters) and appends each record, with its offset, timestamp, key, value and headers, to
+``DATA_DIR/v1/log/<topic>/<partition>.log``. The publisher acknowledges a write only
+once the journal has stored its offset (``Journal.wait_stored``), so an acknowledged
+write is on disk even when a SIGKILL takes `serve` and its broker down together.
+
+On the next start on the same data dir, ``restore`` gives a new broker (started with the
+recorded cluster id, ``cluster.json``) the same topics and partitions, produces every
+partition's records in offset order and checks that the broker assigned the journal's
+offsets, before Faust starts: restart, recovery and `rebuild` then see the log they saw.
+
+File format, one frame a record: ``>II`` (body length, CRC-32 of the body), then the body
+``>qqb`` (offset, timestamp ms, timestamp type), key and value (``>i`` length, -1 for
+none, then the bytes) and ``>H`` headers, each ``>H`` name length, name (UTF-8), ``>i``
+value length, value. A frame cut short by a kill (or with a wrong CRC) ends the file:
+it was never acknowledged, and it is cut off when the file is opened for appending.
+Records are written (not fsynced) before they are acknowledged: they survive the
+process, not a power cut of the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+__all__ = ["CLUSTER_FILE", "LOG_DIR_NAME", "EmbeddedLog", "Journal", "LogRecord", "RestoreFailed",
+           "is_log_entry"]
+
+LOG_DIR_NAME = "log"
+CLUSTER_FILE = "cluster.json"
+_FRAME = struct.Struct(">II")
+_POSITION = struct.Struct(">qqb")
+_LENGTH = struct.Struct(">i")
+_COUNT = struct.Struct(">H")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_PARTITION_FILE = re.compile(r"^\d+\.log$")
+_RESTORE_CHUNK = 5000
+
+log = logging.getLogger(__name__)
+
+
+def is_log_entry(depth: int, name: str, is_dir: bool) -> bool:
+    """Whether an entry ``depth`` levels below ``v1/log`` is one the journal writes: the
+    cluster file (and its temporary) at the top, a dir per topic, a file per partition."""
+    if depth == 0:
+        return (not is_dir and name in (CLUSTER_FILE, CLUSTER_FILE + ".tmp")) or (
+            is_dir and bool(_TOPIC.match(name)) and name not in (".", ".."))
+    return depth == 1 and not is_dir and bool(_PARTITION_FILE.match(name))
+
+
+class RestoreFailed(SystemExit):
+    """The journal could not be given back to the broker as it was; nothing was deleted."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    """One record of a partition, as the broker gave it."""
+
+    offset: int
+    timestamp_ms: int
+    timestamp_type: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+def encode_frame(record: LogRecord) -> bytes:
+    """The record's frame (length, CRC, body)."""
+    parts = [_POSITION.pack(record.offset, record.timestamp_ms, record.timestamp_type)]
+    for blob in (record.key, record.value):
+        parts.append(_LENGTH.pack(-1 if blob is None else len(blob)))
+        if blob is not None:
+            parts.append(blob)
+    parts.append(_COUNT.pack(len(record.headers)))
+    for name, value in record.headers:
+        raw = name.encode()
+        parts += [_COUNT.pack(len(raw)), raw, _LENGTH.pack(-1 if value is None else len(value))]
+        if value is not None:
+            parts.append(value)
+    body = b"".join(parts)
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def _decode_body(body: bytes) -> LogRecord:
+    offset, timestamp, kind = _POSITION.unpack_from(body, 0)
+    at = _POSITION.size
+    blobs: list[bytes | None] = []
+    for _ in range(2):
+        (length,) = _LENGTH.unpack_from(body, at)
+        at += _LENGTH.size
+        blobs.append(None if length < 0 else body[at:at + length])
+        at += max(length, 0)
+    (count,) = _COUNT.unpack_from(body, at)
+    at += _COUNT.size
+    headers = []
+    for _ in range(count):
+        (size,) = _COUNT.unpack_from(body, at)
+        at += _COUNT.size
+        name = body[at:at + size].decode()
+        at += size
+        (length,) = _LENGTH.unpack_from(body, at)
+        at += _LENGTH.size
+        headers.append((name, None if length < 0 else body[at:at + length]))
+        at += max(length, 0)
+    return LogRecord(offset, timestamp, kind, blobs[0], blobs[1], tuple(headers))  # type: ignore[arg-type]
+
+
+def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
+    """The whole frames at the start of ``data`` and the length they take; a torn or
+    corrupt frame (and all after it) is left out."""
+    records, at = [], 0
+    while at + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, at)
+        body = data[at + _FRAME.size:at + _FRAME.size + length]
+        if len(body) < length or zlib.crc32(body) != crc:
+            break
+        records.append(_decode_body(body))
+        at += _FRAME.size + length
+    return records, at
+
+
+class EmbeddedLog:
+    """The journal's files under ``DATA_DIR/v1/log``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.meta = root / CLUSTER_FILE
+
+    def exists(self) -> bool:
+        """Whether the dir holds a kept log (its cluster file)."""
+        return self.meta.exists()
+
+    def read_meta(self) -> dict[str, Any]:
+        """``{"cluster_id": str, "topics": {name: {"partitions": n, "config": {...}}}}``."""
+        return dict(orjson.loads(self.meta.read_bytes()))
+
+    def cluster_id(self) -> str | None:
+        """The cluster id of the broker this log was kept for (None: no log here)."""
+        return str(self.read_meta()["cluster_id"]) if self.exists() else None
+
+    def topics(self) -> dict[str, dict[str, Any]]:
+        """The topics the log holds: ``{name: {"partitions": n, "config": {...}}}``."""
+        return dict(self.read_meta().get("topics", {})) if self.exists() else {}
+
+    def create(self, cluster_id: str) -> None:
+        """Mark the dir as holding the log of the broker ``cluster_id`` (no topics yet)."""
+        self._write_meta({"cluster_id": cluster_id, "topics": {}})
+
+    def record_topics(self, topics: dict[str, tuple[int, dict[str, str]]]) -> None:
+        """Add topics (partitions, config) to those the log holds, with their files."""
+        meta = self.read_meta()
+        known = meta.setdefault("topics", {})
+        for name, (partitions, config) in topics.items():
+            known[name] = {"partitions": partitions, "config": config}
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+            for partition in range(partitions):
+                self.partition_path(name, partition).touch()
+        self._write_meta(meta)
+
+    def _write_meta(self, meta: dict[str, Any]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.meta.with_name(CLUSTER_FILE + ".tmp")
+        tmp.write_bytes(orjson.dumps(meta))
+        tmp.replace(self.meta)
+
+    def partition_path(self, topic: str, partition: int) -> Path:
+        """One partition's file."""
+        return self.root / topic / f"{partition}.log"
+
+    def records(self, topic: str, partition: int) -> list[LogRecord]:
+        """The partition's whole records, in offset order."""
+        path = self.partition_path(topic, partition)
+        return read_frames(path.read_bytes())[0] if path.exists() else []
+
+    def open_for_append(self, topic: str, partition: int) -> tuple[BinaryIO, int]:
+        """The partition's file, cut after its last whole frame, and the next offset."""
+        path = self.partition_path(topic, partition)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = path.read_bytes() if path.exists() else b""
+        records, length = read_frames(data)
+        if length < len(data):
+            log.warning("%s: cutting off %d bytes of a record written when the process was "
+                        "killed (never acknowledged)", path, len(data) - length)
+        handle = open(path, "r+b" if path.exists() else "w+b", buffering=0)  # noqa: SIM115
+        handle.truncate(length)
+        handle.seek(length)
+        return handle, (records[-1].offset + 1 if records else 0)
+
+    async def restore(self, bootstrap_servers: str) -> dict[str, int]:
+        """Give the (new, empty) broker this log's topics and records with their offsets;
+        return the records restored per topic. Called before anything else uses the broker."""
+        from stream.kafka.topics import ensure_topic
+
+        counts: dict[str, int] = {}
+        topics = self.topics()
+        for name, spec in topics.items():
+            await ensure_topic(bootstrap_servers, name, int(spec["partitions"]), dict(spec["config"]))
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all",
+                                    linger_ms=5, max_batch_size=1024 * 1024,
+                                    max_request_size=16 * 1024 * 1024)
+        await producer.start()
+        try:
+            for name, spec in topics.items():
+                counts[name] = 0
+                for partition in range(int(spec["partitions"])):
+                    counts[name] += await self._restore_partition(producer, name, partition)
+        finally:
+            await producer.stop()
+        return counts
+
+    async def _restore_partition(self, producer: AIOKafkaProducer, topic: str,
+                                 partition: int) -> int:
+        # the file is cut after its last whole frame first, as the journal will append there
+        handle, _ = self.open_for_append(topic, partition)
+        handle.close()
+        records = self.records(topic, partition)
+        for start in range(0, len(records), _RESTORE_CHUNK):
+            chunk = records[start:start + _RESTORE_CHUNK]
+            sent = [await producer.send(topic, r.value, key=r.key, partition=partition,
+                                        timestamp_ms=r.timestamp_ms,
+                                        headers=list(r.headers) or None) for r in chunk]
+            for record, metadata in zip(chunk, await asyncio.gather(*sent), strict=True):
+                if metadata.offset != record.offset:
+                    raise RestoreFailed(
+                        f"{self.partition_path(topic, partition)}: the broker gave the record "
+                        f"kept at offset {record.offset} offset {metadata.offset}: the log cannot "
+                        "be brought back as it was; nothing was deleted (keep this data dir, "
+                        "serve another one)")
+        return len(records)
+
+
+class Journal:
+    """A thread that appends every record of the given topics on the embedded broker to
+    the ``EmbeddedLog`` and tells waiting writers when their offsets are stored."""
+
+    def __init__(self, log_files: EmbeddedLog, bootstrap_servers: str, topics: list[str]) -> None:
+        self.files = log_files
+        self.bootstrap_servers = bootstrap_servers
+        self.topic_names = topics
+        self._lock = threading.Lock()
+        self._stored: dict[tuple[str, int], int] = {}  # next offset to store
+        self._waiters: list[tuple[tuple[str, int], int, asyncio.AbstractEventLoop,
+                                  asyncio.Future[None]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._progress: asyncio.Condition | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="embedded-log-journal", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> Journal:
+        """Start tailing and wait until every partition is assigned and positioned."""
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._failure is not None:
+            raise RuntimeError(f"the embedded log's journal did not start: {self._failure!r}")
+        log.info("embedded broker's log kept in %s (%s)", self.files.root,
+                 ", ".join(self.topic_names))
+        return self
+
+    def stored_offsets(self) -> dict[tuple[str, int], int]:
+        """Next offset to store, per (topic, partition)."""
+        with self._lock:
+            return dict(self._stored)
+
+    async def wait_stored(self, topic: str, positions: list[tuple[int, int]]) -> None:
+        """Return once every (partition, offset) of ``topic`` is in the files (the caller
+        bounds the wait); raise if the journal stopped."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        with self._lock:
+            if self._failure is not None or not self._thread.is_alive():
+                raise OSError(f"the embedded log's journal stopped: {self._failure!r}")
+            for partition, offset in positions:
+                if self._stored.get((topic, partition), 0) <= offset:
+                    future: asyncio.Future[None] = loop.create_future()
+                    self._waiters.append(((topic, partition), offset, loop, future))
+                    futures.append(future)
+        if futures:
+            await asyncio.gather(*futures)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the files hold everything the broker holds now; False if they do not
+        within ``timeout`` (or the journal stopped)."""
+        if self._loop is None or not self._thread.is_alive():
+            return False
+        future = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
+        try:
+            return bool(future.result(timeout))
+        except Exception as exc:  # timeout, or the broker gone
+            future.cancel()
+            log.warning("the embedded log's journal did not catch up with the broker within "
+                        "%.1f s: %r", timeout, exc)
+            return False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop tailing and close the files."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout)
+
+    # -- the journal's thread -------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # noqa: BLE001 - reported to writers and at stop
+            self._failure = exc
+            log.error("the embedded log's journal stopped: %r; writes are refused from now on "
+                      "(503) until serve is restarted", exc)
+        finally:
+            self._ready.set()
+            self._fail_waiters()
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._progress = asyncio.Condition()
+        topics = self.files.topics()
+        files: dict[TopicPartition, BinaryIO] = {}
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest",
+                                    fetch_max_wait_ms=10, max_partition_fetch_bytes=16 * 1024 * 1024)
+        self._consumer = consumer
+        await consumer.start()
+        try:
+            partitions = [TopicPartition(name, p) for name in self.topic_names
+                          for p in range(int(topics[name]["partitions"]))]
+            consumer.assign(partitions)
+            for tp in partitions:
+                files[tp], next_offset = self.files.open_for_append(tp.topic, tp.partition)
+                self._stored[(tp.topic, tp.partition)] = next_offset
+                consumer.seek(tp, next_offset)
+            self._ready.set()
+            while not self._stop.is_set():
+                batches = await consumer.getmany(timeout_ms=100, max_records=20_000)
+                for tp, records in batches.items():
+                    self._append(files[tp], tp, records)
+                if batches:
+                    self._wake_waiters()
+                    async with self._progress:
+                        self._progress.notify_all()
+        finally:
+            await consumer.stop()
+            for handle in files.values():
+                handle.close()
+
+    def _append(self, handle: BinaryIO, tp: TopicPartition, records: list[Any]) -> None:
+        expected = self._stored[(tp.topic, tp.partition)]
+        frames = []
+        for record in records:
+            if record.offset < expected:
+                continue  # fetched twice
+            if record.offset != expected:
+                log.warning("%s[%d]: offsets %d..%d are missing on the broker; the log cannot "
+                            "be restored past them", tp.topic, tp.partition, expected,
+                            record.offset - 1)
+            frames.append(encode_frame(LogRecord(
+                record.offset, record.timestamp, record.timestamp_type, record.key, record.value,
+                tuple(record.headers or ()))))
+            expected = record.offset + 1
+        if frames:
+            handle.write(b"".join(frames))  # unbuffered: in the kernel once this returns
+            with self._lock:
+                self._stored[(tp.topic, tp.partition)] = expected
+
+    def _wake_waiters(self) -> None:
+        with self._lock:
+            waiting = []
+            for waiter in self._waiters:
+                key, offset, loop, future = waiter
+                if self._stored.get(key, 0) > offset:
+                    _resolve(loop, future)
+                elif not future.done():
+                    waiting.append(waiter)
+            self._waiters = waiting
+
+    def _fail_waiters(self) -> None:
+        with self._lock:
+            for _key, _offset, loop, future in self._waiters:
+                _resolve(loop, future, OSError("the embedded log's journal stopped"))
+            self._waiters = []
+
+    async def _drain(self) -> bool:
+        assert self._consumer is not None and self._progress is not None
+        ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
+
+        def done() -> bool:
+            with self._lock:
+                return all(self._stored.get((tp.topic, tp.partition), 0) >= end
+                           for tp, end in ends.items())
+
+        async with self._progress:
+            while not done():
+                await self._progress.wait()
+        return True
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None],
+             error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(settle)
