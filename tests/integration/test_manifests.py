@@ -6,13 +6,18 @@ Compose (docker-compose.yml), Grafana (deploy/grafana) and Prometheus rules
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from stream.auth import refuse_open_writes
+from stream.cli import _parser, _settings
+from stream.config import Settings
 from tests.integration.conftest import Service, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,6 +137,93 @@ def test_compose_runs_kraft_kafka_and_three_workers_with_their_own_volume_and_po
     assert front["healthcheck"] and set(front["depends_on"]) == set(workers)
     conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
     assert all(f"server {name}:8080" in conf for name in workers)
+
+
+def _image_env() -> dict[str, str]:
+    """The MMCACHE_* variables the Dockerfile's image sets."""
+    env = {}
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("ENV "):
+            env.update(part.split("=", 1) for part in shlex.split(line[4:]) if "=" in part)
+    return {k: v for k, v in env.items() if k.startswith("MMCACHE_")}
+
+
+def _serve_settings(monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[str, str]) -> Settings:
+    """The settings the real command line resolves from ``args`` and ``env`` alone."""
+    for name in [k for k in os.environ if k.startswith("MMCACHE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return _settings(_parser().parse_args(args)).settings
+
+
+def _generate_tokens(script: str, volume: Path) -> Path:
+    """Run the compose `tokens` service's script on ``volume`` (as the volume's root)."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(script.replace('"/auth', f'"{volume}'), "tokens", "exec"), namespace)  # noqa: S102
+    return volume / "tokens"
+
+
+def test_compose_generates_a_write_token_and_every_published_port_needs_it(tmp_path, monkeypatch):
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    workers = {name: s for name, s in services.items() if s.get("build") == "."}
+    # the one-shot token writer: a random token into a volume of its own, kept once there
+    tokens = services["tokens"]
+    (volume_name, at) = tokens["volumes"][0].split(":")[:2]
+    assert volume_name in compose["volumes"] and at == "/auth"
+    if os.geteuid() != 0:  # the service runs as root to hand the file to uid 10001
+        monkeypatch.setattr(os, "fchown", lambda *a: None)
+    written = _generate_tokens(tokens["command"][-1], tmp_path)
+    (token,) = written.read_text().split()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert written.stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert _generate_tokens(tokens["command"][-1], tmp_path).read_text().split() == [token]
+    image = _image_env()
+    assert image["MMCACHE_HOST"] == "0.0.0.0"  # in a container: every interface
+    for name, worker in workers.items():
+        env = worker["environment"]
+        token_file = Path(env["MMCACHE_AUTH_TOKEN_FILE"])
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in worker["volumes"]}
+        assert mounts[str(token_file.parent)] == volume_name, name
+        assert token_file.name == written.name, name
+        assert worker["depends_on"]["tokens"]["condition"] == "service_completed_successfully"
+        # the real start-up check, on what this worker is given
+        settings = _serve_settings(monkeypatch, ["serve"], {**image, **env})
+        assert settings.host == "0.0.0.0" and settings.auth_token_file == token_file
+        refuse_open_writes(settings.model_copy(update={"auth_token_file": written}))
+        open_env = {k: v for k, v in {**image, **env}.items() if k != "MMCACHE_AUTH_TOKEN_FILE"}
+        with pytest.raises(SystemExit):
+            refuse_open_writes(_serve_settings(monkeypatch, ["serve"], open_env))
+    # every published port is a worker's (tokens) or the front's, which only proxies to them
+    conf = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+    upstreams = set(re.findall(r"^\s*server ([a-z0-9-]+):8080", conf, re.M))
+    for name, service in services.items():
+        if service.get("ports"):
+            assert name in workers or (name == "mmcache" and upstreams == set(workers)), name
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "ALLOW_UNAUTHENTICATED" not in text and "allow-unauthenticated" not in text
+
+
+def test_kubernetes_listens_on_every_interface_with_tokens_from_a_required_secret(tmp_path, monkeypatch):
+    container, pod = _container(), _statefulset()["spec"]["template"]["spec"]
+    assert container["args"][:3] == ["serve", "--host", "0.0.0.0"]
+    env = {k: v for doc in _kube()["ConfigMap"] for k, v in doc["data"].items()}
+    env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    settings = _serve_settings(monkeypatch, container["args"], {**_image_env(), **env})
+    assert settings.host == "0.0.0.0" and settings.auth_token_file is not None
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    secret = volumes[mounts[str(settings.auth_token_file.parent)]]["secret"]
+    assert secret["secretName"] == "mmcache-auth" and not secret.get("optional", False)
+    tokens = tmp_path / settings.auth_token_file.name
+    tokens.write_text("a-token-from-the-secret\n")
+    refuse_open_writes(settings.model_copy(update={"auth_token_file": tokens}))
+    with pytest.raises(SystemExit):
+        refuse_open_writes(settings.model_copy(update={"auth_token_file": None}))
+    for path in [*KUBE.glob("*.yaml"), ROOT / "Dockerfile"]:
+        text = path.read_text()
+        assert "ALLOW_UNAUTHENTICATED" not in text and "allow-unauthenticated" not in text, path
 
 
 def _expressions() -> dict[str, list[str]]:
