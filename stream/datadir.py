@@ -166,6 +166,7 @@ class DataDir:
         this dir keeps, or None (a new one) for a dir with no state yet. A state built
         against any other cluster (a standalone `mmcache broker`, Kafka) is refused,
         naming it: a forgotten --bootstrap-servers never clears anything."""
+        self.refuse_foreign()
         kept = EmbeddedLog(self.log_root).cluster_id()
         if kept is not None:
             return kept

@@ -11,7 +11,8 @@ import pytest
 
 from stream.core.cache import Capacity
 from stream.datadir import LOCK_NAME, DataDir, DataDirInUse, StateMismatch
-from stream.kafka.embedded import new_cluster_id
+from stream.kafka.embedded import STANDALONE_CLUSTER_PREFIX, new_cluster_id
+from stream.kafka.embedded_log import EmbeddedLog
 
 IDENTITY = DataDir.identity("app", "app-events", Capacity("items", 1024))
 REAL_CLUSTER = "Lk3rYq0bQ9uG1o2JmX8y7w"  # what a real Kafka cluster id looks like
@@ -42,24 +43,28 @@ def snapshot(root) -> dict[str, bytes | None]:
     return found
 
 
-@pytest.mark.parametrize("fresh", [True, False], ids=["embedded", "cluster"])
-def test_a_user_file_survives_and_the_dir_is_refused(tmp_path, fresh):
+def test_a_user_file_survives_and_the_dir_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
     with pytest.raises(StateMismatch, match="did not create.*notes.txt.*nothing was deleted"):
-        DataDir(tmp_path).claim(IDENTITY, fresh=fresh, cluster_id=new_cluster_id())
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=new_cluster_id())
     assert snapshot(tmp_path) == before  # not even a marker or a lock file was added
 
 
-@pytest.mark.parametrize("where", ["v1/notes.txt", "v1/tables/notes.txt", "v1/tables/other.db/x",
-                                   "v2/x", "RUNNING.bak"])
+@pytest.mark.parametrize("where", [
+    "v1/notes.txt", "v1/tables/notes.txt", "v1/tables/other.db/x", "v2/x", "RUNNING.bak",
+    # inside mmcache-named dirs, at every depth (issue: these were deleted)
+    "v1/tables/lru-0.db/mine/important.txt", "v1/tables/lru-0.db/important.txt",
+    "v1/tables/lru-backups/mine/important.txt", "v1/tables/lru-backups/important.txt",
+    "v1/log/notes.txt", "v1/log/app-events/notes.txt", "v1/log/app-events/0.log/x",
+    "v1/log/app-events/deeper/0.log"])
 def test_a_user_file_next_to_our_state_is_refused_and_nothing_is_deleted(tmp_path, where):
     datadir = ours(tmp_path, new_cluster_id())
     (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / where).write_text("mine")
     before = snapshot(tmp_path)
     with pytest.raises(StateMismatch, match="did not create"):
-        DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=new_cluster_id())
     assert snapshot(tmp_path) == before
     assert datadir.partitions() == [0]
 
@@ -72,7 +77,7 @@ def test_a_symlink_is_not_followed_and_is_refused(tmp_path):
     root.mkdir()
     (root / "v1").symlink_to(outside)
     with pytest.raises(StateMismatch, match="did not create.*v1"):
-        DataDir(root).claim(IDENTITY, fresh=True)
+        DataDir(root).claim(IDENTITY)
     assert (outside / "precious").read_text() == "mine"
 
 
@@ -80,8 +85,9 @@ def test_a_fresh_volume_with_lost_and_found_is_taken_and_lost_and_found_is_left_
     (tmp_path / "lost+found").mkdir()
     (tmp_path / "lost+found" / "#12").write_text("fsck's")
     datadir = DataDir(tmp_path)
-    datadir.claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
-    datadir.claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())  # and clearing it
+    cluster = new_cluster_id()
+    datadir.claim(IDENTITY, cluster_id=cluster)
+    datadir.claim(IDENTITY, cluster_id=cluster)  # and again, after a crash (RUNNING left)
     assert (tmp_path / "lost+found" / "#12").read_text() == "fsck's"
 
 
@@ -92,12 +98,11 @@ def test_a_data_dir_that_is_a_file_is_refused(tmp_path):
     assert (tmp_path / "data").read_text() == "mine"
 
 
-@pytest.mark.parametrize("fresh", [True, False], ids=["embedded", "cluster"])
-def test_a_dir_built_against_another_cluster_is_refused_and_kept(tmp_path, fresh):
+def test_a_dir_built_against_another_cluster_is_refused_and_kept(tmp_path):
     datadir = ours(tmp_path, REAL_CLUSTER)
     before = snapshot(tmp_path)
     with pytest.raises(StateMismatch, match=f"built against Kafka cluster '{REAL_CLUSTER}'"):
-        DataDir(tmp_path).claim(IDENTITY, fresh=fresh, cluster_id=new_cluster_id())
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=new_cluster_id())
     assert snapshot(tmp_path) == before
     assert datadir.recorded_cluster() == REAL_CLUSTER
 
@@ -119,26 +124,94 @@ def test_the_same_cluster_keeps_the_state(tmp_path):
     assert again.recorded_cluster() == cluster
 
 
-def test_a_state_of_an_earlier_embedded_broker_is_cleared_of_our_files_only(tmp_path):
-    datadir = ours(tmp_path, new_cluster_id())
-    now = new_cluster_id()
-    DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=now)
-    assert datadir.partitions() == []
-    assert not (tmp_path / "v1").exists()
-    assert datadir.recorded_cluster() == now
-    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, "RUNNING", "mmcache-state.json"])
+@pytest.mark.parametrize("recorded", [
+    new_cluster_id(STANDALONE_CLUSTER_PREFIX),  # `mmcache broker` + --bootstrap-servers
+    new_cluster_id(),  # serve's broker of an earlier version (memory only), or the old prefix
+    REAL_CLUSTER])
+def test_an_embedded_start_on_a_dir_built_against_another_cluster_is_refused_not_cleared(
+        tmp_path, recorded):
+    """A forgotten --bootstrap-servers never clears state: refused, naming the cluster and
+    the flag to give."""
+    ours(tmp_path, recorded)
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch) as refused:
+        DataDir(tmp_path).embedded_cluster()
+    message = str(refused.value)
+    assert f"built against the Kafka cluster {recorded!r}" in message
+    assert "--bootstrap-servers" in message and "nothing was deleted" in message
+    assert snapshot(tmp_path) == before
+
+
+def test_an_embedded_start_reuses_the_cluster_whose_log_the_dir_keeps(tmp_path):
+    datadir = ours(tmp_path)
+    cluster = new_cluster_id()
+    EmbeddedLog(datadir.log_root).create(cluster)
+    datadir.check(IDENTITY, cluster)
+    assert DataDir(tmp_path).embedded_cluster() == cluster
+    assert DataDir(tmp_path / "new").embedded_cluster() is None  # a new dir: a new cluster
 
 
 def test_a_rebuilt_seed_is_never_cleared_by_an_embedded_start(tmp_path):
     datadir = DataDir(tmp_path)
     datadir.check(IDENTITY)  # as `rebuild` writes it: no cluster recorded
-    datadir.seed.touch()
+    datadir.mark_seed()
     before = snapshot(tmp_path)
     with pytest.raises(StateMismatch, match="rebuilt state"):
-        DataDir(tmp_path).claim(IDENTITY, fresh=True, cluster_id=new_cluster_id())
-    after = snapshot(tmp_path)
-    assert after.pop(LOCK_NAME) == b""  # the lock file, ours, is all that was added
-    assert after == before
+        DataDir(tmp_path).embedded_cluster()
+    assert snapshot(tmp_path) == before
+
+
+def test_after_a_crash_only_our_table_files_are_dropped(tmp_path):
+    cluster = new_cluster_id()
+    datadir = ours(tmp_path, cluster)
+    datadir.claim(IDENTITY, cluster_id=cluster)  # RUNNING, as a crashed worker leaves it
+    datadir.unlock()
+    log_files = EmbeddedLog(datadir.log_root)
+    log_files.create(cluster)
+    log_files.record_topics({"app-events": (2, {})})
+    DataDir(tmp_path).claim(IDENTITY, cluster_id=cluster)
+    assert not datadir.tables.exists()
+    assert log_files.topics() == {"app-events": {"partitions": 2, "config": {}}}  # the log stays
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, "RUNNING", "mmcache-state.json", "v1"])
+
+
+@pytest.mark.parametrize("name,content", [
+    ("RUNNING", b""), ("RUNNING", b"my notes"), ("RUNNING", b'{"mmcache": "SEED"}'),
+    ("SEED", b""), ("mmcache-state.json", b"{}"), ("mmcache-state.json", b"not json")])
+def test_a_mark_or_marker_that_mmcache_did_not_write_is_refused_and_kept(tmp_path, name, content):
+    datadir = ours(tmp_path, new_cluster_id())
+    (tmp_path / name).write_bytes(content)
+    (datadir.tables / "lru-backups" / "mine").mkdir()
+    (datadir.tables / "lru-backups" / "mine" / "important.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match=f"did not create.*{name}"):
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=new_cluster_id())
+    with pytest.raises(StateMismatch, match="did not create"):
+        DataDir(tmp_path).embedded_cluster()
+    assert snapshot(tmp_path) == before
+
+
+def test_what_rocksdb_and_faust_write_is_ours(tmp_path):
+    """A real RocksDB dir, written and reopened (LOG.old, several MANIFEST and OPTIONS files)
+    and a worker's own files, the journal's included, are all recognised."""
+    cluster = new_cluster_id()
+    datadir = ours(tmp_path, cluster)
+    for _ in range(3):
+        db = datadir.open_partition(0)
+        for i in range(2000):
+            db[f"k{i}".encode()] = b"v" * 100
+        db.flush()
+        db.close()
+    files = set(os.listdir(datadir.partition_path(0)))
+    assert {"CURRENT", "IDENTITY", "LOCK", "LOG", "rocksdict-config.json"} <= files
+    assert any(name.startswith("LOG.old.") for name in files)
+    assert any(name.endswith(".sst") for name in files)
+    datadir.claim(IDENTITY, cluster_id=cluster)
+    datadir.mark_seed()
+    log_files = EmbeddedLog(datadir.log_root)
+    log_files.create(cluster)
+    log_files.record_topics({"app-events": (2, {}), "app-lru-changelog": (2, {})})
+    assert datadir.foreign() == []
 
 
 def test_a_state_with_no_recorded_cluster_takes_the_cluster_it_is_first_served_on(tmp_path):
@@ -149,12 +222,11 @@ def test_a_state_with_no_recorded_cluster_takes_the_cluster_it_is_first_served_o
     assert datadir.read_identity() == IDENTITY
 
 
-@pytest.mark.parametrize("fresh", [True, False])
-def test_an_empty_or_absent_dir_is_taken(tmp_path, fresh):
+def test_an_empty_or_absent_dir_is_taken(tmp_path):
     (tmp_path / "empty").mkdir()
     for root in (tmp_path / "empty", tmp_path / "absent" / "deeper"):
         datadir = DataDir(root)
-        datadir.claim(IDENTITY, fresh=fresh, cluster_id=REAL_CLUSTER)
+        datadir.claim(IDENTITY, cluster_id=REAL_CLUSTER)
         assert datadir.running.exists()
         assert datadir.recorded_cluster() == REAL_CLUSTER
 
@@ -196,7 +268,8 @@ def test_the_lock_is_free_again_once_its_process_ended(tmp_path):
 def test_a_process_that_does_not_hold_the_lock_releases_nothing(tmp_path):
     datadir = DataDir(tmp_path)
     datadir.check(IDENTITY)
-    datadir.running.touch()  # another worker's marker
+    datadir.claim(IDENTITY)  # another worker's marker (as if it held the lock)
+    datadir.unlock()
     DataDir(tmp_path).release()
     assert datadir.running.exists()
 

@@ -284,18 +284,19 @@ def test_claim_after_a_clean_release_keeps_the_tables(tmp_path):
 
 def test_claim_keeps_a_rebuilt_seed_even_with_a_running_marker(tmp_path):
     datadir, digest = populated(tmp_path)
-    datadir.seed.touch()
+    datadir.mark_seed()
     DataDir(tmp_path).claim(IDENTITY)
     assert datadir.load_state().digest() == digest
 
 
-def test_claim_fresh_starts_from_an_empty_dir_even_for_another_identity(tmp_path):
-    datadir, _ = populated(tmp_path)
+def test_claim_never_clears_a_state_of_another_identity(tmp_path):
+    datadir, digest = populated(tmp_path)
     datadir.release()
     other = DataDir.identity("other-app", TOPIC, CAPACITY)
-    DataDir(tmp_path).claim(other, fresh=True)
-    assert datadir.read_identity() == other
-    assert datadir.partitions() == []
+    with pytest.raises(StateMismatch):
+        DataDir(tmp_path).claim(other)
+    assert datadir.read_identity() == IDENTITY
+    assert datadir.load_state().digest() == digest
 
 
 def test_release_twice_is_harmless(tmp_path):
