@@ -4,6 +4,7 @@ in-place extension older than its source is found (and ``serve`` warns of it).
 
 Each test builds a copy of the project in a temp dir, with no network
 (``--no-build-isolation --no-deps``): the interpreter's own setuptools and Cython build it.
+Nothing is installed: an install would replace the work tree's editable install.
 """
 
 from __future__ import annotations
@@ -79,17 +80,21 @@ def test_without_a_c_compiler_the_wheel_holds_the_pure_python_core(tmp_path):
     assert "runs the pure-Python core" in ran
 
 
-def test_without_cython_an_editable_install_falls_back_and_drops_the_stale_extension(tmp_path):
+def test_without_cython_an_editable_build_falls_back_and_drops_the_stale_extension(tmp_path):
     copy = project_copy(tmp_path)
     hidden = tmp_path / "hidden" / "Cython"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('Cython is hidden by this test')\n")
     stale = copy / "stream" / "core" / f"items{SUFFIX}"
     stale.write_bytes(b"an extension built from an older items.py")
-    installed = pip(copy, "install", "--prefix", str(tmp_path / "prefix"), "--editable", ".",
-                    env={"PYTHONPATH": str(hidden.parent)})
-    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
-    output = installed.stdout + installed.stderr
+    # what `pip install -e .` asks of the build backend, without installing anything (an
+    # install, even with --prefix, would replace the work tree's own editable install)
+    built = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                            "print(build_meta.build_editable(sys.argv[1]))", str(tmp_path / "wheels")],
+                           cwd=copy, env={**os.environ, "PYTHONPATH": str(hidden.parent)},
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    output = built.stdout + built.stderr
     assert output.count(WARNING) == 1, output[-3000:]
     assert "Cython is not installed" in output
     assert not stale.exists(), "an older extension would be imported instead of the source"
