@@ -66,22 +66,27 @@ def caught_up(target: Mapping[int, int], applied: Mapping[int, int]) -> bool:
     return all(applied.get(p, -1) + 1 >= end for p, end in target.items())
 
 
-def decide(ready_once: bool, lag: ViewLag, max_lag_events: int | None) -> ReadinessBody:
+def decide(ready_once: bool, lag: ViewLag, max_lag_events: int | None,
+           problem: str | None = None) -> ReadinessBody:
     """The answer of ``/readyz``: not ready before the first load and catch-up, or while
-    the lag is over ``max_lag_events``; ready otherwise."""
+    the lag is over ``max_lag_events``; ready otherwise. A ``problem`` of the worker (its
+    state files refuse writes) changes no status: the view still answers ``/v1/match``
+    from memory, and the events it cannot apply show as lag, which ``max_lag_events``
+    bounds; the reason names it whatever the status."""
     figures = {"lag_events": lag.events, "staleness_seconds": lag.staleness_seconds}
     if not ready_once:
-        return ReadinessBody(status="not_ready", reason="loading: the view is being loaded "
-                             "and caught up with the event log", **figures)
-    if max_lag_events is not None:
-        if lag.events is None:
-            return ReadinessBody(status="not_ready", reason="the event log's end is not known "
-                                 f"yet, and --max-lag-events is {max_lag_events}", **figures)
-        if lag.events > max_lag_events:
-            return ReadinessBody(status="not_ready", reason=f"lagging: the view lacks {lag.events} "
-                                 f"events of the log, more than --max-lag-events {max_lag_events}",
-                                 **figures)
-    return ReadinessBody(status="ready", reason="the view answers /v1/match", **figures)
+        status, reason = "not_ready", "loading: the view is being loaded and caught up with the event log"
+    elif max_lag_events is not None and lag.events is None:
+        status, reason = "not_ready", (f"the event log's end is not known yet, and "
+                                       f"--max-lag-events is {max_lag_events}")
+    elif max_lag_events is not None and lag.events is not None and lag.events > max_lag_events:
+        status, reason = "not_ready", (f"lagging: the view lacks {lag.events} events of the log, "
+                                       f"more than --max-lag-events {max_lag_events}")
+    else:
+        status, reason = "ready", "the view answers /v1/match"
+    if problem is not None:
+        reason = f"{reason} (from memory); {problem}" if status == "ready" else f"{reason}; {problem}"
+    return ReadinessBody(status=status, reason=reason, **figures)
 
 
 class LogEnds(Protocol):
@@ -95,13 +100,16 @@ class LogEnds(Protocol):
 class Readiness:
     """The running worker's readiness: latched once the first recovery has loaded the view
     (``loaded``), the follower has read the other partitions (``follower_caught_up``) and
-    every partition has applied the log's end as first read after that; then ``decide``.
+    every partition has applied the log's end as first read after that; then ``decide``,
+    told of ``problem()`` (``stream.table_mirror.StateWrites.problem``).
     """
 
     def __init__(self, applied: Callable[[], Mapping[int, int]], log_ends: LogEnds,
                  follower_caught_up: Callable[[], bool], max_lag_events: int | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 problem: Callable[[], str | None] = lambda: None) -> None:
         self.applied = applied
+        self.problem = problem
         self.log_ends = log_ends
         self.follower_caught_up = follower_caught_up
         self.max_lag_events = max_lag_events
@@ -130,7 +138,7 @@ class Readiness:
                 self.ready_once = True
                 log.info("ready: the view is loaded and caught up with the event log, "
                          "/v1/match answers from it")
-        return decide(self.ready_once, self.lag(), self.max_lag_events)
+        return decide(self.ready_once, self.lag(), self.max_lag_events, self.problem())
 
     def collect(self) -> Iterator[Metric]:
         """``mmcache_view_lag_events{partition}`` and ``mmcache_view_staleness_seconds``

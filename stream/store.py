@@ -29,6 +29,7 @@ __all__ = [
     "decode_change",
     "effect_records",
     "encode_applied",
+    "encode_faust_offset",
     "encode_entry",
     "endpoint_records",
     "load_partition",
@@ -87,6 +88,12 @@ def decode_applied(raw: bytes) -> int:
     return int(_OFFSET.unpack(raw)[0])
 
 
+def encode_faust_offset(offset: int) -> bytes:
+    """Value of Faust's offset record (``FAUST_OFFSET_KEY``), as Faust writes it: written
+    in the same batch as the records it counts, so a file never claims more than it holds."""
+    return str(offset).encode()
+
+
 def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Iterator[tuple[bytes, bytes]]:
     """Records of one whole LRU given least recent first (hash, size), ranked by position."""
     prefix = _ENTRY + endpoint.encode()
@@ -126,6 +133,14 @@ class ChangelogGate:
         self.applied = applied
         self.dropped = 0
         self._removals: list[Any] = []
+
+    def copy(self) -> ChangelogGate:
+        """A gate in this one's state, to go back to when what it admitted could not be
+        written (the same records are then given again)."""
+        gate = ChangelogGate(self.applied)
+        gate.dropped = self.dropped
+        gate._removals = list(self._removals)
+        return gate
 
     def admit(self, records: Iterable[tuple[bytes, bytes | None, T]]) -> list[T]:
         """Of the ``(key, value, item)`` given (and removals held from before), the items

@@ -2,22 +2,137 @@
 files and its compacted changelog (``TableMirror``), or plain mappings (``MappingMirror``,
 for tests and tools). Every worker recovers its partitions, and follows the others', from
 that changelog.
+
+A file that cannot be written (a full disk, any IO error of the data dir) stops nothing
+but the applying: the batch's write is retried with backoff until it is stored, and its
+events are acknowledged only then, while the view answers ``/v1/match`` from memory and
+``StateWrites`` tells ``/readyz`` and ``/metrics`` why. RocksDB refuses every write
+after its first failed one ("Writer has previous error") and consumes a batch it failed
+to write, so each retry reopens the partition's file and builds the batch again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, Protocol
 
 import faust
 from aiokafka import AIOKafkaProducer
-from faust.types import TP
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from rocksdict import WriteBatch
 
 from stream.core.cache import Effects
-from stream.store import APPLIED_KEY, ChangelogGate, decode_applied, effect_records, write_effects
+from stream.datadir import DataDir
+from stream.store import (
+    APPLIED_KEY,
+    FAUST_OFFSET_KEY,
+    ChangelogGate,
+    decode_applied,
+    effect_records,
+    encode_faust_offset,
+    write_effects,
+)
 
-__all__ = ["MappingMirror", "Mirror", "TableMirror", "gate_changelog_restore"]
+__all__ = ["MappingMirror", "Mirror", "StateNotStored", "StateWrites", "TableMirror",
+           "gate_changelog_restore", "is_storage_error", "refuse_unwritable_state"]
+
+log = logging.getLogger(__name__)
+
+#: Backoff between two attempts to write a batch the file refused: doubling, capped (a
+#: stop is noticed within the cap).
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the data dir failing (no space, a read-only or broken volume)
+    rather than a bug: rocksdict raises a bare ``Exception`` whose text is RocksDB's
+    status ("IO error: No space left on device: ...") or the OS error it got."""
+    text = str(exc)
+    return isinstance(exc, OSError) or text.startswith("IO error") or "(os error " in text
+
+
+class StateNotStored(RuntimeError):
+    """A batch's records could not be written to its file before the worker stopped: its
+    events are not acknowledged (the changelog holds them for the next start)."""
+
+
+class StateWrites:
+    """Whether the partition files take writes: the partitions whose last write failed,
+    with the error and since when, and the failed attempts in all. A prometheus_client
+    collector (``mmcache_state_write_errors_total``, ``mmcache_state_writes_failing``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.errors_total = 0
+        self.failing: dict[int, tuple[str, float]] = {}  # partition -> (error, since)
+
+    def failed(self, partition: int, exc: BaseException) -> None:
+        """A write to ``partition``'s file failed (logged once until it succeeds)."""
+        self.errors_total += 1
+        if partition not in self.failing:
+            log.error("cannot write the state of partition %d (%s): its events are not applied "
+                      "or acknowledged until they are stored; retrying, /v1/match answers from "
+                      "memory", partition, exc)
+            self.failing[partition] = (str(exc), self.clock())
+
+    def stored(self, partition: int) -> None:
+        """A write to ``partition``'s file succeeded."""
+        failure = self.failing.pop(partition, None)
+        if failure is not None:
+            log.warning("the state of partition %d is written again, after %.1f s of failed "
+                        "writes", partition, self.clock() - failure[1])
+
+    def problem(self) -> str | None:
+        """What ``/readyz`` says of the files while writes fail (``None``: they do not)."""
+        if not self.failing:
+            return None
+        error, since = min(self.failing.values(), key=lambda failure: failure[1])
+        return (f"state writes fail for partitions {sorted(self.failing)} for "
+                f"{self.clock() - since:.0f} s ({error}): their events are not applied or "
+                "acknowledged until stored (retrying)")
+
+    def collect(self) -> Iterator[Metric]:
+        """The two figures, for ``/metrics`` (register this on the service's registry)."""
+        yield CounterMetricFamily("mmcache_state_write_errors_total", "Failed attempts to "
+                                  "write the state's files (full disk, IO errors), each retried",
+                                  value=self.errors_total)
+        yield GaugeMetricFamily("mmcache_state_writes_failing", "Partitions whose state file "
+                                "refuses writes now (0: all are written)", value=len(self.failing))
+
+
+def reopen_partition(store: Any, partition: int) -> None:
+    """Close the partition's file, which refuses every write after a failed one, and open it
+    again (or leave it closed: the next write opens it) in Faust's store (``store._dbs``)."""
+    db = store._dbs.pop(partition, None)
+    if db is not None:
+        try:
+            db.close()
+        except Exception as exc:  # noqa: BLE001 - "Writer has previous error": closed all the same
+            log.debug("closing partition %d's file: %s", partition, exc)
+    try:
+        store._db_for_partition(partition)
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+
+
+def refuse_unwritable_state(datadir: DataDir) -> None:
+    """Open each partition file found for writing once, as Faust will (RocksDB writes a
+    manifest and a log on open), and stop the start with one line if one cannot be: a
+    worker without room to open its files can neither recover nor apply anything, and
+    Faust's own open would crash it. When the disk fills later, it keeps running."""
+    for partition in datadir.partitions():
+        try:
+            datadir.open_partition(partition).close()
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            raise SystemExit(f"--data-dir {datadir.root}: cannot open the state of partition "
+                             f"{partition} for writing ({exc}): free space there (or give a "
+                             "larger volume), then start again; nothing was changed") from None
 
 
 class Mirror(Protocol):
@@ -50,9 +165,10 @@ class TableMirror:
     the highest changelog offset written, so recovery reads only what came after.
     """
 
-    def __init__(self, app: faust.App, table: Any) -> None:
+    def __init__(self, app: faust.App, table: Any, health: StateWrites | None = None) -> None:
         self.app = app
         self.table = table
+        self.health = health if health is not None else StateWrites()
         self.changelog = table.changelog_topic.get_topic_name()
         self._pending: dict[int, _PartitionRecords] = {}
 
@@ -63,14 +179,17 @@ class TableMirror:
             pending = self._pending[partition] = _PartitionRecords(self._producer())
         pending.add(effect_records(effects, applied_offset))
 
-    async def flush(self) -> None:
+    async def flush(self, keep_trying: Callable[[], bool] = lambda: True) -> bool:
         """Send the pending records to the changelog and wait for the broker's acks, then
-        write them to the files with the changelog offset they reached.
+        write them to the files with the changelog offset they reached, in one batch a
+        partition; return whether the files hold them.
 
-        Returning only once the changelog holds them is what lets the caller acknowledge
-        the events: a send that aiokafka gives up on raises here, the events are not
-        acknowledged, and the worker stops (its next start restores from the changelog
-        and the events are delivered again).
+        Returning (true) only once the changelog and the files hold them is what lets the
+        caller acknowledge the events: a send that aiokafka gives up on raises here, the
+        events are not acknowledged, and the worker stops (its next start restores from the
+        changelog and the events are delivered again). A file that refuses the write is
+        retried with backoff while ``keep_trying()`` (false: the worker stops; the events
+        are then not acknowledged, and the changelog holds them for the next start).
         """
         producer = self._producer()
         pending, self._pending = self._pending, {}
@@ -84,29 +203,60 @@ class TableMirror:
             metadata = await ack  # of the batch's first record
             reached[partition] = max(metadata.offset + last, reached.get(partition, -1))
         for partition, records in pending.items():
-            self.table.data._db_for_partition(partition).write(records.batch)
             if partition in reached:
-                self.table.data.set_persisted_offset(TP(self.changelog, partition), reached[partition])
+                records.rows.append((FAUST_OFFSET_KEY, encode_faust_offset(reached[partition])))
+            if not await self._store(partition, records.rows, keep_trying):
+                return False
+        return True
+
+    async def _store(self, partition: int, rows: list[tuple[bytes, bytes | None]],
+                     keep_trying: Callable[[], bool]) -> bool:
+        """Write one partition's rows as one batch, retrying a file that refuses it."""
+        store, delay = self.table.data, RETRY_FIRST_S
+        while True:
+            try:
+                store._db_for_partition(partition).write(_batch(rows))
+            except Exception as exc:
+                if not is_storage_error(exc):
+                    raise
+                self.health.failed(partition, exc)
+                reopen_partition(store, partition)
+                if not keep_trying():
+                    return False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            self.health.stored(partition)
+            return True
 
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
 
 
+def _batch(rows: Iterable[tuple[bytes, bytes | None]]) -> WriteBatch:
+    """A RocksDB batch of these rows (``None`` deletes): made anew for each attempt, as a
+    failed write consumes its batch."""
+    batch = WriteBatch(raw_mode=True)
+    for key, value in rows:
+        if value is None:
+            batch.delete(key)
+        else:
+            batch.put(key, value)
+    return batch
+
+
 class _PartitionRecords:
-    """One partition's records not yet written: a RocksDB batch, Kafka record batches."""
+    """One partition's records not yet written: the rows for its file, Kafka record batches."""
 
     def __init__(self, producer: AIOKafkaProducer) -> None:
         self.producer = producer
-        self.batch = WriteBatch(raw_mode=True)
+        self.rows: list[tuple[bytes, bytes | None]] = []
         self.builders = [producer.create_batch()]
 
     def add(self, records: Iterable[tuple[bytes, bytes | None]]) -> None:
-        batch, builder = self.batch, self.builders[-1]
+        rows, builder = self.rows, self.builders[-1]
         for key, value in records:
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
+            rows.append((key, value))
             if builder.append(key=key, value=value, timestamp=None) is None:  # full
                 builder = self.producer.create_batch()
                 self.builders.append(builder)
@@ -117,12 +267,18 @@ class _PartitionRecords:
         return [b for b in self.builders if b.record_count()]
 
 
-def gate_changelog_restore(table: Any) -> Callable[[], None]:
+def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Callable[[], None]:
     """Make Faust's restore of the table from its changelog skip events written again
     after later ones (``ChangelogGate``), as the follower does, so that a worker that
     recovers a partition after a zombie owner's resent batch does not load its stale
     entries. Each partition's gate starts from the applied offset its file holds; the
-    returned function forgets the gates, for the next recovery."""
+    returned function forgets the gates, for the next recovery.
+
+    A restore that a file refuses (``is_storage_error``) raises as before, and Faust keeps
+    the batch and gives it again (with the next changelog record, or after 5 s idle): the
+    gates go back to where they were before it, the files it touched are reopened, and
+    ``health`` says so until a restore succeeds."""
+    health = health if health is not None else StateWrites()
     store = table.data
     restore = store.apply_changelog_batch
     gates: dict[int, ChangelogGate] = {}
@@ -140,7 +296,22 @@ def gate_changelog_restore(table: Any) -> Callable[[], None]:
             yield from gate_of(message.partition).admit([(message.key, message.value, event)])
 
     def apply_changelog_batch(batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
-        restore(list(admitted(batch)), to_key, to_value)
+        events = list(batch)
+        before = {partition: gate.copy() for partition, gate in gates.items()}
+        touched = {event.message.partition for event in events}
+        try:
+            restore(list(admitted(events)), to_key, to_value)
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            gates.clear()
+            gates.update(before)
+            for partition in sorted(touched):
+                health.failed(partition, exc)
+                reopen_partition(store, partition)
+            raise
+        for partition in touched:
+            health.stored(partition)
 
     store.apply_changelog_batch = apply_changelog_batch
     return gates.clear

@@ -30,7 +30,7 @@ from faust.types import TP
 from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState
-from stream.datadir import TABLE_NAME
+from stream.datadir import TABLE_NAME, DataDir
 from stream.faust_batches import (
     PromptTableManager,
     committed_offset,
@@ -51,7 +51,15 @@ from stream.metrics import Metrics
 from stream.preload import LocalPreload
 from stream.readiness import Readiness
 from stream.stall_watch import StallWatch
-from stream.table_mirror import MappingMirror, Mirror, TableMirror, gate_changelog_restore
+from stream.table_mirror import (
+    MappingMirror,
+    Mirror,
+    StateNotStored,
+    StateWrites,
+    TableMirror,
+    gate_changelog_restore,
+    refuse_unwritable_state,
+)
 
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
            "TableMirror", "build_worker", "faust_settings", "rewind_stalled"]
@@ -200,8 +208,10 @@ def build_worker(
     follower = ChangelogFollower(bootstrap_servers, changelog, state, client)
     probe = EventLogProbe(bootstrap_servers, settings.events_topic, partitions,
                           lambda: state.applied, client)
+    refuse_unwritable_state(DataDir(settings.data_dir))  # one line, not Faust's crash
+    state_writes = StateWrites()
     readiness = Readiness(lambda: state.applied, probe, lambda: follower.caught_up,
-                          settings.max_lag_events)
+                          settings.max_lag_events, problem=state_writes.problem)
 
     def consumer_lag() -> dict[int, int]:
         """Events not yet applied per owned partition, from Faust's own consumer."""
@@ -214,8 +224,9 @@ def build_worker(
 
     metrics = Metrics(state, consumer_lag)
     metrics.registry.register(readiness)
-    mirror = TableMirror(app, table)
-    forget_restore_gates = gate_changelog_restore(table)
+    metrics.registry.register(state_writes)
+    mirror = TableMirror(app, table, state_writes)
+    forget_restore_gates = gate_changelog_restore(table, state_writes)
 
     async def prepare_dead_letters() -> int:
         # normally created at start (ensure_topics); made sure of here before the first letter
@@ -240,7 +251,11 @@ def build_worker(
         # letters are duplicates, told apart by their source partition and offset)
         await dead_letters.flush()
         await confirm_owner(app, generation, tp)
-        await mirror.flush()  # returns once the changelog holds the batch: then it is acked
+        # returns once the changelog and the files hold the batch: then it is acked; a file
+        # that refuses it (a full disk) is retried meanwhile, until the worker stops
+        if not await mirror.flush(lambda: not app.should_stop):
+            raise StateNotStored(f"partition {partition}: stopped before its batch could be "
+                                 "stored; not acknowledged, the changelog holds it")
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 
@@ -258,7 +273,11 @@ def build_worker(
 
     @app.timer(interval=1.0, name="rewind-stalled-partitions")
     async def rewind_stalled_partitions() -> None:
-        await rewind_stalled(app, settings.events_topic, state.applied, stall_watch, time.monotonic())
+        if state_writes.failing:  # not stalled: waiting for room to store a batch
+            stall_watch.reset()
+        else:
+            await rewind_stalled(app, settings.events_topic, state.applied, stall_watch,
+                                 time.monotonic())
 
     reload_turn = asyncio.Lock()
     recoveries = 0
