@@ -1,0 +1,183 @@
+"""The default (`serve` with no --bootstrap-servers) keeps its embedded broker's log in
+the data dir: killed or stopped and started again on the same dir, it has every
+acknowledged event and the same state, and `rebuild` replays that log."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stream
+from stream.kafka.embedded import free_port
+from tests.integration.conftest import READY_TIMEOUT_S, eventually, http
+
+pytestmark = pytest.mark.integration
+
+REPO = str(Path(stream.__file__).resolve().parent.parent)
+PLACEMENTS = 1000
+ENDPOINTS = 50
+_BROKER_LINE = re.compile(r"broker embedded on (127\.0\.0\.1:\d+)")
+
+
+class EmbeddedServe:
+    """One `mmcache serve` on its own embedded broker (no --bootstrap-servers)."""
+
+    def __init__(self, data_dir: Path, log_path: Path) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, **popen: Any) -> EmbeddedServe:
+        env = {k: v for k, v in os.environ.items() if k != "MMCACHE_BOOTSTRAP_SERVERS"}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--data-dir", str(self.data_dir)],
+                stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": REPO}, **popen)
+        return self
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.tail()
+            try:
+                return http("GET", self.url + "/readyz")[0] == 200
+            except OSError:
+                return False
+
+        eventually(ready, timeout=READY_TIMEOUT_S, interval=0.1)
+
+    def bootstrap(self) -> str:
+        """The embedded broker's address, as serve logs it (its last start)."""
+        found = _BROKER_LINE.findall(self.log_path.read_text(errors="replace"))
+        assert found, self.tail()
+        return found[-1]
+
+    def settled_digest(self) -> str:
+        def settled() -> str | None:
+            state = http("GET", self.url + "/v1/state?limit=0")[1]
+            return state["digest"] if state.get("digest_settled", True) else None
+
+        return eventually(settled, timeout=30)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture
+def serve(tmp_path: Path, request: pytest.FixtureRequest):
+    """Factory of embedded serves on one data dir; killed at the end, logs shown on failure."""
+    started: list[EmbeddedServe] = []
+
+    def make() -> EmbeddedServe:
+        service = EmbeddedServe(tmp_path / "data", tmp_path / f"serve-{len(started)}.log")
+        started.append(service.start())
+        service.wait_ready()
+        return service
+
+    yield make
+    failed = getattr(request.node, "report_call", None)
+    for service in started:
+        if failed is not None and failed.failed:
+            print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
+        if service.process is not None:
+            service.stop(signal.SIGKILL)
+
+
+def _endpoint(i: int) -> str:
+    return f"ns/pod-{i % ENDPOINTS}"
+
+
+def _place_all(service: EmbeddedServe) -> None:
+    def place(i: int) -> int:
+        body = {"request_id": f"r-{i}", "endpoints": [_endpoint(i)],
+                "items": [{"hash": f"h-{i}", "size": 1, "modality": "image"}]}
+        return http("POST", service.url + "/v1/placements", body)[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(place, range(PLACEMENTS)))
+    assert statuses == [202] * PLACEMENTS
+
+
+def _matched(service: EmbeddedServe) -> int:
+    """How many of the placements /v1/match finds on their endpoints (one request)."""
+    hashes = [f"h-{i}" for i in range(PLACEMENTS)]
+    body = {"endpoints": [_endpoint(i) for i in range(ENDPOINTS)],
+            "body": {"generate": {"features": {"mm_hashes": {"image": hashes}}}}}
+    status, answer = http("POST", service.url + "/v1/match", body)
+    assert status == 200, answer
+    found = 0
+    for entry in answer["endpoints"]:
+        for item in entry["matched_items"]:
+            found += _endpoint(int(item["hash"][2:])) == entry["endpoint"]
+    return found
+
+
+def _rebuild(bootstrap: str, target: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers",
+                           bootstrap, "--data-dir", str(target)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_kill_9_keeps_every_acknowledged_placement_and_rebuild_replays_them(serve, tmp_path):
+    first = serve()
+    _place_all(first)
+    first.stop(signal.SIGKILL)
+
+    again = serve()
+    assert "log restored from" in again.tail()
+    assert eventually(lambda: _matched(again) == PLACEMENTS and PLACEMENTS, timeout=30)
+    live = again.settled_digest()
+    assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == live
+    # and the log goes on from there: a write after the restore is kept as well
+    status, _ = http("POST", again.url + "/v1/placements", {
+        "request_id": "after", "endpoints": ["ns/after"],
+        "items": [{"hash": "h-after", "size": 1, "modality": "image"}]})
+    assert status == 202
+
+
+def test_a_clean_stop_and_start_keeps_everything_and_the_local_files(serve, tmp_path):
+    first = serve()
+    _place_all(first)
+    eventually(lambda: _matched(first) == PLACEMENTS, timeout=30)  # all applied
+    digest = first.settled_digest()
+    assert first.stop(signal.SIGTERM) == 0
+    assert not (tmp_path / "data" / "RUNNING").exists()
+
+    again = serve()
+    log = again.tail()
+    assert "log restored from" in log and "did not stop cleanly" not in log
+    assert _matched(again) == PLACEMENTS
+    assert again.settled_digest() == digest
+    assert again.stop(signal.SIGTERM) == 0
+
+    third = serve()  # twice: the log kept after a restore is whole too
+    assert _matched(third) == PLACEMENTS
+    assert third.settled_digest() == digest
+    assert _rebuild(third.bootstrap(), tmp_path / "rebuilt") == digest
