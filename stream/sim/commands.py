@@ -13,6 +13,7 @@ import orjson
 
 from stream.core.cache import DEFAULT_CACHE_MB, MB_PER_ITEM, Capacity
 from stream.sim.fleet import DEFAULT_ENCODER_CACHE_SIZE, POLICIES, FleetSpec, PolicyResult, simulate
+from stream.sim.tune import MIN_REPEATS
 from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
 
 __all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation"]
@@ -239,6 +240,16 @@ def _add_tune(commands: argparse._SubParsersAction) -> None:  # type: ignore[typ
     tune.add_argument("--embeddings", default=None,
                       help="comma-separated size-mode capacities (default 512 .. 262144 and "
                       "--encoder-cache-size)")
+    tune.add_argument("--mean-item-embeddings", type=float, default=None,
+                      help="for items without sizes (chat_completions, generate: every size is 1), "
+                      "the servers' mean embeddings per item: with --encoder-cache-size the true "
+                      "caches take each item at this size, and items mode of encoder cache size / "
+                      "this is replayed (docs/simulation.md)")
+    tune.add_argument("--min-repeats", type=int, default=MIN_REPEATS,
+                      help="the least evidence for a recommendation: placed items already on their "
+                      "endpoint; below it the table is printed and tune exits 1 without one "
+                      f"(at {MIN_REPEATS} the noise of a hit count, 1/sqrt({MIN_REPEATS}) = 5%%, is the "
+                      "width of the 5%% band the recommendation allows)")
     tune.add_argument("--plot", default="tune.svg",
                       help="write the plot of hit ratio against capacity here (SVG); '' for none")
     tune.add_argument("--format", choices=("table", "json"), default="table", help="output format")
@@ -304,18 +315,39 @@ def _numbers(text: str | None, flag: str) -> list[int] | None:
 
 
 def _tune(args: argparse.Namespace) -> None:
+    from stream.core.capacity import capacity_for_encoder_cache
     from stream.rebuild import Progress
     from stream.sim.plot import tune_svg
-    from stream.sim.tune import default_capacities, recommend, sweep
+    from stream.sim.tune import NoRecommendation, default_capacities, recommend, survey, sweep
 
     records, skipped = _read_records(args, "tune")
     events = [(r.position, r.event) for r in records]
-    capacities = default_capacities(args.encoder_cache_size)
     items, embeddings = _numbers(args.items, "--items"), _numbers(args.embeddings, "--embeddings")
+    facts = survey(events)
+    if not facts.placed:
+        raise SystemExit("tune: no placements recorded: nothing to tune")
+    truth, mean = args.encoder_cache_size, args.mean_item_embeddings
+    if mean is not None and (mean <= 0 or truth is None or facts.sizes_known):
+        raise SystemExit("tune: --mean-item-embeddings must be positive" if mean <= 0 else
+                         "tune: --mean-item-embeddings goes with --encoder-cache-size" if truth is None else
+                         "tune: --mean-item-embeddings is for items without sizes; "
+                         f"{facts.placed - facts.unsized:,} of these {facts.placed:,} placed items "
+                         "carry theirs: leave it out")
+    if truth is not None and mean is None and not facts.sizes_known:
+        raise SystemExit(
+            f"tune: {facts.unsized:,} of {facts.placed:,} placed items carry no size (size 1: the "
+            "chat_completions and generate sources), so a true cache of --encoder-cache-size "
+            "embeddings cannot be replayed with them: give --mean-item-embeddings N (the servers' "
+            "mean embeddings per item), or leave out --encoder-cache-size for an upper bound")
+    capacities = default_capacities(truth)
     if items is not None:
         capacities = [c for c in capacities if c.mode != "items"] + [Capacity("items", n) for n in items]
     if embeddings is not None:
         capacities = [c for c in capacities if c.mode != "size"] + [Capacity("size", n) for n in embeddings]
+    if mean is not None and truth is not None:  # what docs/simulation.md says to configure
+        sized_to_cache = capacity_for_encoder_cache(truth, mean)
+        if sized_to_cache not in capacities:
+            capacities.append(sized_to_cache)
     progress = Progress(len(events) * len(capacities))
     done = 0
 
@@ -324,30 +356,40 @@ def _tune(args: argparse.Namespace) -> None:
         done += n
         progress.update(done)
 
-    rows = sweep(events, capacities, args.encoder_cache_size, on_progress=advance)
+    rows = sweep(events, capacities, truth, on_progress=advance,
+                 truth_item_size=None if mean is None else max(1, round(mean)))
     progress.update(done, final=True)
-    if not any(r.placed for r in rows):
-        raise SystemExit("tune: no placements recorded: nothing to tune")
-    choice = recommend(rows, args.encoder_cache_size)
-    if args.plot:
+    try:
+        choice, refused = recommend(rows, truth, facts=facts, min_repeats=args.min_repeats), None
+    except NoRecommendation as exc:
+        choice, refused = None, str(exc)
+    if args.plot and choice is not None:
         title = f"hit ratio against capacity over {rows[0].placed:,} placed items"
         Path(args.plot).write_text(tune_svg(rows, choice, title))
     if args.format == "json":
         doc = {"rows": [{"mode": r.capacity.mode, "capacity": r.capacity.per_endpoint, "placed": r.placed,
                          "hits": r.hits, "hit_ratio": r.hit_ratio, "false_hits": r.false_hits,
                          "false_hit_rate": r.false_hit_rate, "missed_hits": r.missed_hits} for r in rows],
-               "recommended": {"mode": choice.row.capacity.mode,
-                               "capacity": choice.row.capacity.per_endpoint, "reason": choice.reason},
+               "log": {"events": facts.events, "placed": facts.placed, "repeats": facts.repeats,
+                       "unsized": facts.unsized},
+               "recommended": None if choice is None else {
+                   "mode": choice.row.capacity.mode, "capacity": choice.row.capacity.per_endpoint,
+                   "reason": choice.reason},
                "skipped": skipped}
+        if refused is not None:
+            doc["refused"] = refused
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return
-    print(format_tune(rows, choice, skipped))
-    if args.plot:
-        print(f"plot: {args.plot}")
+    else:
+        print(format_tune(rows, choice, skipped, facts))
+        if args.plot and choice is not None:
+            print(f"plot: {args.plot}")
+    if refused is not None:
+        sys.stdout.flush()
+        raise SystemExit(f"tune: {refused}")
 
 
-def format_tune(rows: Sequence, choice, skipped: dict[str, int]) -> str:  # type: ignore[no-untyped-def,type-arg]
-    """The terminal table and the recommendation."""
+def format_tune(rows: Sequence, choice, skipped: dict[str, int], facts=None) -> str:  # type: ignore[no-untyped-def,type-arg]
+    """The terminal table and the recommendation (none when ``choice`` is None)."""
     truth = any(r.false_hits is not None for r in rows)
     head = f"{'mode':<6}{'capacity':>10}{'hit ratio':>11}" + (
         f"{'false-hit rate':>16}{'missed hits':>13}" if truth else "")
@@ -356,13 +398,17 @@ def format_tune(rows: Sequence, choice, skipped: dict[str, int]) -> str:  # type
         line = f"{r.capacity.mode:<6}{r.capacity.per_endpoint:>10,}{r.hit_ratio:>11.3f}"
         if truth:
             line += f"{r.false_hit_rate:>16.3f}{r.missed_hits:>13,}"
-        mark = "  <- recommended" if r is choice.row else ""
+        mark = "  <- recommended" if choice is not None and r is choice.row else ""
         lines.append(line + mark)
-    flag = ("--cache-size-embeddings-per-server" if choice.row.capacity.mode == "size"
-            else "--cache-size-mb-per-server")
-    value = choice.row.capacity.per_endpoint * (MB_PER_ITEM if choice.row.capacity.mode == "items" else 1)
-    lines.append(f"recommended: {flag} {value} ({choice.row.capacity.mode} mode, "
-                 f"{choice.row.capacity.per_endpoint:,} per endpoint): {choice.reason}")
+    if facts is not None:
+        lines.append(f"log: {facts.events:,} events, {facts.placed:,} placed items, {facts.repeats:,} "
+                     f"repeats (placed again on an endpoint that had them), {facts.unsized:,} without a size")
+    if choice is not None:
+        flag = ("--cache-size-embeddings-per-server" if choice.row.capacity.mode == "size"
+                else "--cache-size-mb-per-server")
+        value = choice.row.capacity.per_endpoint * (MB_PER_ITEM if choice.row.capacity.mode == "items" else 1)
+        lines.append(f"recommended: {flag} {value} ({choice.row.capacity.mode} mode, "
+                     f"{choice.row.capacity.per_endpoint:,} per endpoint): {choice.reason}")
     if skipped:
         lines.append(f"skipped records (as the worker skips them): {skipped}")
     return "\n".join(lines)

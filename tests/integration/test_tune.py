@@ -53,7 +53,9 @@ async def _publish(bootstrap: str, topic: str) -> None:
 def test_tune_reads_the_topic_and_export_writes_what_tune_reads_from_a_file(bootstrap, tmp_path, capsys):
     topic = f"tune-{uuid.uuid4().hex[:8]}-events"
     asyncio.run(_publish(bootstrap, topic))
-    common = ["--items", "1,2,4", "--embeddings", "7", "--encoder-cache-size", "7", "--format", "json"]
+    # the hand-worked log twice has 6 repeats, under the default floor (MIN_REPEATS)
+    common = ["--items", "1,2,4", "--embeddings", "7", "--encoder-cache-size", "7", "--format", "json",
+              "--min-repeats", "6"]
     _run(["tune", "--bootstrap-servers", bootstrap, "--topic", topic, "--plot",
           str(tmp_path / "t.svg"), *common])
     from_topic = json.loads(capsys.readouterr().out)
@@ -83,3 +85,27 @@ def test_tune_names_a_missing_topic(bootstrap):
     with pytest.raises(SystemExit, match="not found"):
         _run(["tune", "--bootstrap-servers", bootstrap, "--topic", f"absent-{uuid.uuid4().hex[:8]}",
               "--plot", ""])
+
+
+def test_tune_on_a_one_event_topic_recommends_nothing(bootstrap, tmp_path, capsys):
+    import pytest
+
+    topic = f"tune-{uuid.uuid4().hex[:8]}-events"
+
+    async def publish_one() -> None:
+        await ensure_topic(bootstrap, topic, PARTITIONS, {})
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        await producer.start()
+        try:
+            event = ItemsPlaced(endpoint="ns/a", items=[Item("h", 1, "image")], request_id="only")
+            await producer.send_and_wait(topic, encode_event(event), key=b"ns/a",
+                                         partition=key_partition(b"ns/a", PARTITIONS))
+        finally:
+            await producer.stop()
+
+    asyncio.run(publish_one())
+    with pytest.raises(SystemExit, match="no recommendation: 0 repeat placements .* at least 400"):
+        _run(["tune", "--bootstrap-servers", bootstrap, "--topic", topic, "--plot", str(tmp_path / "t.svg")])
+    out = capsys.readouterr().out
+    assert "log: 1 events, 1 placed items" in out and "recommended" not in out
+    assert not (tmp_path / "t.svg").exists()

@@ -23,7 +23,7 @@ from stream.core.events import EndpointDeleted, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.sim.commands import add_commands
 from stream.sim.eventlog import Recorded, read_jsonl, write_jsonl
-from stream.sim.tune import recommend, sweep
+from stream.sim.tune import MIN_REPEATS, NoRecommendation, recommend, survey, sweep
 
 SIZES = {"x": 3, "y": 4, "z": 5}
 ORDER = ["x", "y", "x", "z", "x", "y"]
@@ -51,7 +51,8 @@ def _run(argv: list[str]) -> None:
 def test_tune_from_a_file_gives_the_hand_worked_hit_ratios_and_false_hits(tmp_path, capsys):
     trace = _export(tmp_path / "events.jsonl", _records())
     _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
-          "--encoder-cache-size", "7", "--plot", str(tmp_path / "t.svg"), "--format", "json"])
+          "--encoder-cache-size", "7", "--plot", str(tmp_path / "t.svg"), "--format", "json",
+          "--min-repeats", "3"])
     doc = json.loads(capsys.readouterr().out)
     rows = {(r["mode"], r["capacity"]): r for r in doc["rows"]}
     assert {k: r["hits"] for k, r in rows.items()} == {
@@ -72,7 +73,7 @@ def test_tune_from_a_file_gives_the_hand_worked_hit_ratios_and_false_hits(tmp_pa
 def test_the_table_marks_the_recommendation_and_names_the_flag(tmp_path, capsys):
     trace = _export(tmp_path / "events.jsonl", _records())
     _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
-          "--encoder-cache-size", "7", "--plot", ""])
+          "--encoder-cache-size", "7", "--plot", "", "--min-repeats", "3"])
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "<- recommended" in line)
     assert line.split()[:2] == ["size", "7"]
@@ -146,7 +147,88 @@ def test_a_trace_written_by_simulate_is_read_by_tune_with_every_placed_item(tmp_
         by_partition.setdefault(record.position.partition, []).append(record.position.offset)
     assert all(offsets == list(range(len(offsets))) for offsets in by_partition.values())
     _run(["tune", "--input", str(trace), "--items", "4", "--embeddings", "8192", "--plot", "",
-          "--format", "json"])
+          "--format", "json", "--min-repeats", "0"])
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["mode"], r["capacity"]) for r in rows] == [("items", 4), ("size", 8192)]
     assert all(r["placed"] == sum(len(rec.event.items) for rec in records) for r in rows)
+
+
+# -- enough data, and the mode the docs say (issue 15, 8b) --------------------------------
+
+
+def _one_event_log(tmp_path: Path) -> Path:
+    return _export(tmp_path / "one.jsonl", [Recorded(Position(0, 0), 1_000, ItemsPlaced(
+        endpoint="ns/a", items=[Item("h", 1, "image")], request_id="r0"))])
+
+
+def test_a_one_event_log_gets_the_table_and_no_recommendation(tmp_path, capsys):
+    plot = tmp_path / "t.svg"
+    with pytest.raises(SystemExit, match=r"no recommendation: 0 repeat placements .* 1 placed items of 1 "
+                       r"events; a recommendation needs at least 400 \(--min-repeats\)"):
+        _run(["tune", "--input", str(_one_event_log(tmp_path)), "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert "hit ratio" in out and "log: 1 events, 1 placed items, 0 repeats" in out
+    assert "recommended" not in out and "--cache-size" not in out
+    assert not plot.exists()
+
+
+def test_below_the_minimum_the_json_recommends_nothing_and_says_why(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _run(["tune", "--input", str(_one_event_log(tmp_path)), "--plot", "", "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"] is None and "at least 400" in doc["refused"]
+    assert doc["log"] == {"events": 1, "placed": 1, "repeats": 0, "unsized": 1}
+
+
+def test_the_minimum_is_a_named_constant_and_the_flag_moves_it(tmp_path, capsys):
+    assert MIN_REPEATS == 400
+    events = [(r.position, r.event) for r in _records()]
+    facts = survey(events)
+    assert (facts.placed, facts.repeats, facts.unsized) == (6, 3, 0)  # x, x and y placed again
+    rows = sweep(events, [Capacity("items", n) for n in (1, 2, 4)])
+    with pytest.raises(NoRecommendation, match="3 repeat placements"):
+        recommend(rows, facts=facts)
+    assert recommend(rows, facts=facts, min_repeats=3).row.capacity == Capacity("items", 4)
+    trace = _export(tmp_path / "events.jsonl", _records())
+    with pytest.raises(SystemExit, match="at least 4 "):
+        _run(["tune", "--input", str(trace), "--plot", "", "--min-repeats", "4"])
+    capsys.readouterr()
+
+
+def _unsized_log(tmp_path: Path, rounds: int = 300) -> Path:
+    """Two endpoints, each placed a, b, c in turn (chat_completions items: size 1)."""
+    records, offset = [], 0
+    for n in range(rounds):
+        for endpoint in ("ns/a", "ns/b"):
+            records.append(Recorded(Position(0, offset), 1_000 + offset, ItemsPlaced(
+                endpoint=endpoint, items=[Item("abc"[n % 3], 1, "image")], request_id=f"r{offset}")))
+            offset += 1
+    return _export(tmp_path / "chat.jsonl", records)
+
+
+def test_items_without_sizes_are_recommended_items_mode_not_size_mode(tmp_path, capsys):
+    _run(["tune", "--input", str(_unsized_log(tmp_path)), "--plot", ""])
+    out = capsys.readouterr().out
+    # size mode at 512 "embeddings" holds 512 of these items and scores as well: not chosen
+    assert "recommended: --cache-size-mb-per-server 8 (items mode, 4 per endpoint)" in out
+    assert "carry no size" in out and "--mean-item-embeddings" in out
+    line = next(line for line in out.splitlines() if "<- recommended" in line)
+    assert line.split()[:2] == ["items", "4"]
+
+
+def test_items_without_sizes_need_the_mean_to_be_held_to_a_true_cache(tmp_path, capsys):
+    log = _unsized_log(tmp_path)
+    with pytest.raises(SystemExit, match="carry no size .* give --mean-item-embeddings"):
+        _run(["tune", "--input", str(log), "--plot", "", "--encoder-cache-size", "8192"])
+    # 8,192 embeddings of 2,048 per item: items mode of 4 (docs/simulation.md, capacity.py)
+    _run(["tune", "--input", str(log), "--plot", "", "--encoder-cache-size", "8192",
+          "--mean-item-embeddings", "2048", "--items", "1,2,8", "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"]["mode"] == "items" and doc["recommended"]["capacity"] == 4
+    rows = {(r["mode"], r["capacity"]): r for r in doc["rows"]}
+    assert ("items", 4) in rows  # replayed though --items did not name it
+    assert rows[("items", 4)]["false_hits"] == rows[("items", 4)]["missed_hits"] == 0
+    assert rows[("items", 2)]["missed_hits"] > 0  # the true cache holds the three, 2 does not
+    with pytest.raises(SystemExit, match="for items without sizes"):
+        _run(["tune", "--input", str(_export(tmp_path / "sized.jsonl", _records())), "--plot", "",
+              "--encoder-cache-size", "7", "--mean-item-embeddings", "3"])
