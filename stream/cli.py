@@ -4,7 +4,9 @@ LLM inference gateways.
 Commands: `serve` runs a worker with its HTTP API, `broker` runs the embedded
 Kafka-protocol broker alone, `rebuild` replays the event log into a new data dir,
 `state digest` prints the digest of a stopped worker's state, `bench` runs the
-benchmarks. `mmcache COMMAND --help` lists every flag with its default and its
+benchmarks, `simulate` scores the affinity signal against a simulated fleet, `tune`
+recommends a capacity from the recorded placements, `export` writes the event log as
+JSON lines. `mmcache COMMAND --help` lists every flag with its default and its
 environment variable; docs/cli.md in the repository says more.
 """
 
@@ -77,7 +79,10 @@ def _settings(args: argparse.Namespace) -> Resolved:
         try:
             plugin = load_plugin_config(config)
         except ConfigError as exc:
-            raise SystemExit(f"configuration error: {exc}") from None
+            text = str(exc)
+            if not getattr(args, "config", None):  # from the variable: name it, not the flag
+                text = text.replace(f"--config {config}:", f"MMCACHE_CONFIG={config}:", 1)
+            raise SystemExit(f"configuration error: {text}") from None
         values = {key: value for key, value in plugin.values.items()
                   if f"MMCACHE_{key.upper()}" not in os.environ}
     flags = {key: getattr(args, key) for key in _SERVE_FLAGS if getattr(args, key, None) is not None}
@@ -601,7 +606,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_debug(bench)
     bench.set_defaults(run=_bench)
     add_sim_commands(commands)  # simulate, tune, export
+    for name in ("simulate", "tune", "export"):
+        commands.choices[name].formatter_class = _DefaultOnce
     return parser
+
+
+class _DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help only where the help does not already say its
+    default: never twice, and "none" rather than Python's None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default is None:
+            return f"{text} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _apply_log_level(level: str) -> None:

@@ -65,6 +65,12 @@ def test_a_missing_and_a_broken_yaml_are_one_line_each(tmp_path):
                      "gone.yaml: no such file")
     one_line_failure(mmcache("serve", "--config", "broken.yaml", cwd=tmp_path),
                      "broken.yaml: not valid YAML at line 2")
+    # from the variable, the line names the variable, not a flag that was never given
+    for command in ("serve", "rebuild"):
+        line = one_line_failure(mmcache(command, cwd=tmp_path, env={
+            "MMCACHE_CONFIG": "broken.yaml", "MMCACHE_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "MMCACHE_DATA_DIR": "new"}), "MMCACHE_CONFIG=broken.yaml: not valid YAML at line 2")
+        assert "--config" not in line, line
     assert listing(tmp_path) == before  # no data dir, no broker files
 
 

@@ -6,8 +6,10 @@ command is in docs/cli.md and every flag there exists; nothing points outside th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -122,3 +124,132 @@ def test_nothing_points_outside_the_repository(path):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", content):
         if "://" not in target:
             assert ((ROOT / path).parent / target).exists(), (path, target)
+
+
+def _answers(api: Any, calls: list[tuple[str, str, bytes | None]]) -> list[tuple[int, Any, Any]]:
+    """(status, JSON answer, headers) of each call against ``api``'s real application."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def run() -> list[tuple[int, Any, Any]]:
+        answers = []
+        async with TestClient(TestServer(api.application())) as client:
+            for method, path, data in calls:
+                response = await client.request(method, path, data=data)
+                answers.append((response.status, orjson.loads(await response.read()), response.headers))
+        return answers
+
+    return asyncio.run(run())
+
+
+def _gateway_errors() -> list[tuple[str, str, str, int, str]]:
+    """The "Real answers" of docs/gateway.md's Errors: (method, path, body, status, rest)."""
+    block = re.search(r"^Real answers:\n\n```\n(.*?)```", text("gateway.md"), re.S | re.M).group(1)
+    calls = re.findall(r"^(GET|POST) (/\S+)  (.*)\n(\d{3}) (.*(?:\n\{.*)?)", block, re.M)
+    assert len(calls) == block.count("\nPOST ") + block.startswith("POST ")
+    return [(m, p, b, int(s), rest) for m, p, b, s, rest in calls]
+
+
+def test_the_documented_error_answers_are_the_services_own(tmp_path):
+    from stream.auth import TokenFile
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-write-token\n")
+    documented = _gateway_errors()
+    assert len(documented) >= 5
+    for method, path, body, status, rest in documented:
+        api = make_api()
+        if body.startswith("(no Authorization"):
+            api.write_tokens = TokenFile(tokens)
+            body = '{"endpoints": ["default/vllm-0"], "items": [{"hash": "h", "size": 1, "modality": "image"}]}'
+        ((got, answer, headers),) = _answers(api, [(method, path, body.encode())])
+        header, _, json_text = rest.rpartition("{\"error\"")
+        assert (got, answer) == (status, orjson.loads('{"error"' + json_text)), (path, body)
+        for name, value in re.findall(r"([A-Za-z-]+): (.+?)$", header.strip(), re.M):
+            assert headers[name] == value
+
+
+def test_the_documented_error_messages_of_the_http_page_are_real():
+    items = [{"hash": f"h{i}", "size": 1, "modality": "image"} for i in range(1025)]
+    produced = {
+        "items[0].size: Input should be a valid integer":
+            {"endpoints": ["a"], "items": [{"hash": "h", "size": "1", "modality": "image"}]},
+        "items: at most 1024 items (max_items)": {"endpoints": ["a"], "items": items},
+    }
+    documented = [b for b in json_blocks("http-api.md") if set(b) == {"error"}]
+    assert {b["error"]["message"] for b in documented} == set(produced)
+    answers = _answers(make_api(), [("POST", "/v1/placements", orjson.dumps(produced[b["error"]["message"]]))
+                                    for b in documented])
+    assert [(status, answer) for status, answer, _ in answers] == [(400, b) for b in documented]
+
+
+def test_every_documented_state_answer_has_the_real_fields_and_a_full_digest():
+    ((status, real, _),) = _answers(make_api(), [("GET", "/v1/state", None)])
+    assert status == 200
+    documented = [b for b in json_blocks("http-api.md") if "digest" in b]
+    gateway = re.search(r"What is left .*?```\n200\n(\{.*?\})\n```", text("gateway.md"), re.S).group(1)
+    documented.append(orjson.loads(gateway))
+    for body in documented:
+        assert set(body) == set(real), body
+        assert re.fullmatch(r"[0-9a-f]{64}", body["digest"]) and len(real["digest"]) == 64
+    for name in ("README.md", "docs/http-api.md", "docs/gateway.md"):
+        for digest in re.findall(r'"digest": ?"([^"]*)"', (ROOT / name).read_text()):
+            assert re.fullmatch(r"[0-9a-f]{64}", digest) or digest == "<hex>", (name, digest)
+
+
+def test_the_gateway_pages_sequence_leaves_the_state_it_shows():
+    """docs/gateway.md's "Real bodies", replayed through the core: the state it shows at
+    the end (digest included) is the one those calls leave."""
+    from stream.core.events import EndpointDeleted, EndpointsSynced
+    from stream.core.items import Item
+
+    page = text("gateway.md")
+    chat = re.search(r'"body": (\{"chat_completions": .*?\]\}\]\}\})\}', page, re.S).group(1)
+    state = CacheState(Capacity.from_params())
+    events = [ItemsPlaced(endpoint="default/vllm-1", items=extract_items(orjson.loads(chat))),
+              ItemsPlaced(endpoint="default/vllm-0", items=[Item("9f2c1a", 576, "image"),
+                                                            Item("77be03", 144, "image")]),
+              EndpointDeleted(endpoint="default/vllm-1"),
+              EndpointsSynced(live=["default/vllm-0", "default/vllm-2"])]
+    for offset, event in enumerate(events):
+        state.apply(event, Position(0, offset))
+    api = make_api()
+    api.state = state
+    ((status, answer, _),) = _answers(api, [("GET", "/v1/state?limit=3", None)])
+    shown = re.search(r"What is left .*?```\n200\n(\{.*?\})\n```", page, re.S).group(1)
+    assert status == 200 and answer == orjson.loads(shown)
+
+
+def test_the_top_help_and_the_readme_name_every_command():
+    import stream.cli
+
+    names = set(_commands(_parser())) | {name.split()[0] for name in _commands(_parser())}
+    top = {name for name in names if " " not in name}
+    described = stream.cli.__doc__ or ""
+    for name in top:
+        assert f"`{name}" in described, name
+    block = re.search(r"^## Command line\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S | re.M)
+    usage = set(re.findall(r"^mmcache ([a-z]+(?: digest)?)", block.group(1), re.M))
+    assert {name for name in _commands(_parser())} <= usage
+
+
+def test_sub_command_help_gives_each_default_once_and_never_none():
+    for command in ("simulate", "tune", "export"):
+        parser = _subparser(command)
+        help_text = " ".join(parser.format_help().split())
+        assert "(default: None)" not in help_text, command
+        for action in parser._actions:
+            if action.option_strings and action.help and action.help != argparse.SUPPRESS:
+                shown = parser._get_formatter()._expand_help(action) if action.help else ""
+                assert shown.lower().count("default") <= 1, (command, shown)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    for action in _parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise LookupError(name)
+
+
+def test_no_user_page_names_an_issue_number():
+    for path in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        assert not re.search(r"\bissue #?\d+", path.read_text(), re.I), path
