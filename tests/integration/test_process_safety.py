@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 import stream
@@ -161,6 +162,45 @@ def test_serve_refuses_a_data_dir_built_against_another_cluster(bootstrap, tmp_p
     assert snapshot(data) == before
 
 
+def test_a_forgotten_bootstrap_servers_flag_refuses_the_dir_and_clears_nothing(tmp_path, reap):
+    """Built on a standalone `mmcache broker`, then `serve` once without
+    --bootstrap-servers: refused, naming the cluster and the flag; the right command
+    still works afterwards."""
+    data = tmp_path / "data"
+    app_id = f"it-{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    errors = open(tmp_path / "broker.log", "ab")  # noqa: SIM115
+    broker = subprocess.Popen(cli("broker", "--port", str(port)), stdout=subprocess.PIPE,
+                              stderr=errors, text=True, env=env())
+    try:
+        assert broker.stdout is not None and "listening on" in broker.stdout.readline()
+        address = f"127.0.0.1:{port}"
+        first = Service(address, data, app_id, [], env())
+        first.start()
+        assert first.post("/v1/placements", placement(1))[0] == 202
+        eventually(lambda: first.get("/v1/state")[1]["total_endpoints"] == 1)
+        digest = first.digest()
+        assert first.stop() == 0
+        before = snapshot(data)
+        cluster = orjson.loads((data / "mmcache-state.json").read_bytes())["cluster_id"]
+        done = run_refused(cli("serve", "--host", "127.0.0.1", "--port", str(free_port()),
+                               "--app-id", app_id, "--data-dir", str(data)))
+        line = last_line(done)
+        assert f"built against the Kafka cluster {cluster!r}" in line, line
+        assert "--bootstrap-servers" in line and "nothing was deleted" in line, line
+        assert "started an embedded" not in done.stderr  # refused before any broker started
+        assert snapshot(data) == before
+        again = Service(address, data, app_id, [], env()).start()
+        try:
+            assert again.digest() == digest
+        finally:
+            again.stop()
+    finally:
+        errors.close()
+        broker.send_signal(signal.SIGTERM)
+        broker.wait(15)
+
+
 # -- 5. one worker per data dir -----------------------------------------------------------------
 
 
@@ -186,6 +226,37 @@ def test_a_second_serve_on_a_live_workers_data_dir_is_refused(make_service, boot
     # its files survived the attempt: a restart takes them (no crash was seen)
     again = make_service(app_id=first.app_id, data_dir=first.data_dir)
     assert "did not stop cleanly" not in again.tail()
+
+
+def test_a_second_embedded_serve_is_refused_before_it_starts_a_broker(tmp_path, reap):
+    """The data dir's lock is taken first: the second serve starts nothing."""
+    data = tmp_path / "data"
+    log = open(tmp_path / "first.log", "ab")  # noqa: SIM115
+    port = free_port()
+    first = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--data-dir", str(data)),
+                             stdout=log, stderr=subprocess.STDOUT, env=env())
+    try:
+        eventually(lambda: _ready(port), timeout=60, interval=0.1)
+        reap.append(tansu_child(first.pid) or first.pid)
+        done = run_refused(cli("serve", "--host", "127.0.0.1", "--port", str(free_port()),
+                               "--data-dir", str(data)))
+        assert last_line(done) == (
+            f"{data} is in use by another mmcache worker (it holds {data / 'mmcache.lock'}): "
+            "give each worker its own --data-dir.")
+        assert "broker" not in done.stderr, done.stderr  # no broker was started, or spoken of
+        assert _ready(port)
+    finally:
+        log.close()
+        first.kill()
+        first.wait()
+
+
+def _ready(port: int) -> bool:
+    try:
+        return http("GET", f"http://127.0.0.1:{port}/readyz")[0] == 200
+    except OSError:
+        return False
 
 
 # -- 6. bounded shutdown with the broker frozen ---------------------------------------------------
@@ -346,6 +417,38 @@ def test_a_killed_serve_takes_its_embedded_broker_with_it(tmp_path, reap):
         process.kill()
         process.wait()
         eventually(lambda: not alive(child), timeout=5)
+    finally:
+        log.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_ctrl_c_in_a_terminal_stops_serve_and_its_broker_cleanly_in_time(tmp_path, reap):
+    """A terminal's Ctrl-C is SIGINT to the whole foreground process group: the embedded
+    broker must not die before serve has stopped its clients (it used to: a 5 s hang and
+    exit code 3)."""
+    log = open(tmp_path / "serve.log", "ab")  # noqa: SIM115
+    port = free_port()
+    process = subprocess.Popen(cli("serve", "--host", "127.0.0.1", "--port", str(port),
+                                   "--data-dir", str(tmp_path / "data")),
+                               stdout=log, stderr=subprocess.STDOUT, env=env(),
+                               start_new_session=True)
+    try:
+        eventually(lambda: _ready(port), timeout=60, interval=0.1)
+        child = tansu_child(process.pid)
+        assert child is not None
+        reap.append(child)
+        assert http("POST", f"http://127.0.0.1:{port}/v1/placements", placement(1))[0] == 202
+        started = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(30)
+        took = time.monotonic() - started
+        text = (tmp_path / "serve.log").read_text(errors="replace")
+        assert (code, "ERROR" in text) == (0, False), text[-3000:]
+        assert took <= 2.0, f"{took:.2f} s"
+        eventually(lambda: not alive(child), timeout=5)
+        assert not (tmp_path / "data" / "RUNNING").exists()  # a clean stop
     finally:
         log.close()
         if process.poll() is None:
