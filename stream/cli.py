@@ -134,7 +134,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"topics {settings.events_topic} ({partitions} partitions), {changelog}, "
         f"{settings.dead_letter_topic}",
         f"capacity {derived} from {resolved.capacity_source}",
-        ("broker embedded on " + bootstrap + " (memory only, for development)") if embedded
+        ("broker embedded on " + bootstrap + " (its log kept in the data dir, for development)")
+        if embedded
         else f"broker {bootstrap}",
         f"kafka security {security}",
         f"data dir {settings.data_dir.resolve()}",
