@@ -218,10 +218,10 @@ def _serve(args: argparse.Namespace) -> None:
     resolved = _settings(args)
     settings = resolved.settings
     _apply_log_level(settings.log_level)
+    refuse_open_writes(settings)  # protected by default: the one line, before anything else
     warn_stale(log)  # a compiled module older than its source (a stale in-place build)
     if resolved.plugin is not None:
         log.info("--config %s", resolved.plugin.describe())
-    refuse_open_writes(settings)
     _refuse_file_as_data_dir(settings.data_dir)
     datadir = DataDir(settings.data_dir)
     datadir.refuse_foreign()  # before the lock file is added to a dir that is not ours
