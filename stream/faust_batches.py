@@ -36,8 +36,9 @@ The patch replaces ``Consumer._drain_messages`` of the pinned releases only (``P
 faust-streaming, and mode-streaming whose ``Service`` internals the consumer and the
 fetcher are made of), and only for apps given to ``install``; others keep Faust's original.
 ``install`` refuses any other installed release, and a consumer whose instance lacks one of
-the names in ``CONSUMER_PRIVATE``/``CONSUMER_INTERNALS`` is refused when its drain starts:
-every internal this module touches is listed there, and nowhere else.
+the names in ``CONSUMER_PRIVATE``/``CONSUMER_INTERNALS`` is refused when its drain starts.
+Every internal this module touches is listed in ``stream.internals``, with those of the
+rest of mmcache, and checked there against the pinned releases.
 
 A zombie owner (a worker frozen past its session timeout whose partitions another worker
 took over, then resumed) must not write a batch after the new owner. The batch handler
@@ -63,7 +64,6 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from time import monotonic
 from typing import Any
 
@@ -75,6 +75,7 @@ from faust.types import TP
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
+from stream import internals
 from stream.kafka.coordinator import LostMembership, confirm_membership, generation_of
 from stream.kafka.coordinator import check_version as check_coordinator_version
 
@@ -84,38 +85,22 @@ __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "
 
 log = logging.getLogger(__name__)
 
-#: The releases whose internals this module mirrors, pinned as such in pyproject.toml;
-#: re-read ``faust/transport/consumer.py`` and ``mode/services.py`` to upgrade either.
-PINNED = {"faust-streaming": "0.15.3", "mode-streaming": "0.7.1"}
+#: The releases whose internals this module mirrors (of stream.internals' pins); re-read
+#: ``faust/transport/consumer.py`` and ``mode/services.py`` to upgrade either.
+PINNED = {name: internals.PINNED[name] for name in ("faust-streaming", "mode-streaming")}
 FAUST_VERSION = PINNED["faust-streaming"]
 
 #: Every private name of Faust's ``Consumer`` (and of its mode ``Service`` base) this
-#: module replaces, calls, reads or writes; ``fetcher._stopped`` is mode's too.
-CONSUMER_PRIVATE = (
-    "_drain_messages",       # replaced (class attribute), the original kept for other apps
-    "_wait_next_records",    # the fetch of one drain turn
-    "_to_message",           # records of other topics, for Faust's per-message path
-    "_add_gap",              # offsets absent between records
-    "_read_offset",          # per-TP last offset read (committed after a seek)
-    "_committed_offset",     # per-TP committed offset
-    "_acked",                # per-TP acked offsets, committed by ``commit``
-    "_acked_index",          # per-TP set of those offsets
-    "_n_acked",              # acks since the last ``broker_commit_every`` commit
-    "_commit_every",         # ``broker_commit_every``
-    "_buffered_partitions",  # TPs Faust still delivers while their flow is paused
-    "_unacked_messages",     # what ``wait_empty`` waits for on a revocation or stop
-    "_waiting_for_ack",      # the future ``wait_empty`` sleeps on; ``notify``-ed on acks
-    "_stopped",              # mode ``Service``: the drain ends when it is set
-    "_thread",               # the consumer thread owning aiokafka's consumer (``confirm_owner``)
-)
+#: module replaces, calls, reads or writes: stream.internals' entries for the consumer.
+CONSUMER_PRIVATE = internals.names(internals.CONSUMER, private=True)
 #: The public-looking but undocumented names used besides: the consumer's, the app's
-#: (as ``app.<name>``) and the module-level ones imported below.
+#: (as ``app.<name>``) and the module-level ones imported below. The consumer thread's,
+#: the table manager's and the rest are in stream.internals too.
 CONSUMER_INTERNALS = (
-    "suspend_flow", "flow_active", "should_stop", "diag", "perform_seek", "highwater",
-    "scheduler", "callback", "commit", "wait_first", "sleep", "consumer_stopped_errors",
-    "app.consumer_generation_id", "app.flow_control", "app.monitor", "app.topics",
-    "faust.transport.consumer.CONSUMER_FETCHING", "faust.types.tuples.ack_lock",
-    "mode.utils.futures.notify",
+    *internals.names(internals.CONSUMER, private=False),
+    *(f"app.{name}" for name in internals.names(internals.APP)),
+    *(f"{entry.owner}.{entry.name}" for entry in internals.INTERNALS
+      if entry.used_by == "stream.faust_batches" and entry.is_module),
 )
 
 #: ``handler(partition, records)``: records are aiokafka ``ConsumerRecord``s in offset order.
@@ -206,19 +191,7 @@ class PromptTableManager(TableManager):
 
 def check_versions(installed: Callable[[str], str] | None = None) -> None:
     """Refuse to patch anything unless every package in ``PINNED`` is at its release."""
-    def found(name: str) -> str:
-        try:
-            return (installed or version)(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    wrong = {name: found(name) for name, pinned in PINNED.items() if found(name) != pinned}
-    if wrong:
-        described = ", ".join(f"{name} {got} (needs {PINNED[name]})" for name, got in wrong.items())
-        raise RuntimeError(f"stream.faust_batches mirrors the internals of "
-                           f"{', '.join(f'{n}=={v}' for n, v in PINNED.items())}; installed: "
-                           f"{described}. Install the pinned releases, or re-read their "
-                           f"consumer and service internals before changing the pins.")
+    internals.check_versions(installed, "stream.faust_batches", tuple(PINNED))
 
 
 def owner_generation(app: faust.App) -> int:

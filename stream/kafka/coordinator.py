@@ -11,7 +11,8 @@ the coordinator, right before it writes, whether its generation is still current
 stops without writing when it is not.
 
 This reaches into aiokafka's group coordinator (``_coordinator``, ``_send_req``,
-``generation``, ``member_id``, ``group_id``) of the pinned aiokafka release.
+``generation``, ``member_id``, ``group_id``) of the pinned aiokafka release, listed in
+``stream.internals``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing import Any
 import aiokafka.errors as errors
 from aiokafka.protocol.group import HeartbeatRequest
 
+from stream.internals import PINNED
+
 __all__ = ["AIOKAFKA_VERSION", "ANSWER_S", "LostMembership", "check_version",
            "confirm_membership", "generation_of"]
 
-AIOKAFKA_VERSION = "0.14.0"
+AIOKAFKA_VERSION = PINNED["aiokafka"]  # stream.internals lists what this module uses of it
 
 log = logging.getLogger(__name__)
 

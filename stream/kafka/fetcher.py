@@ -7,7 +7,8 @@ the application, for up to ``prefetch_backoff`` (100 ms). In the worker that hel
 new events: the first placement into each partition of a new topic became visible in
 `/v1/match` only ~100 ms after its 202, which set the freshness p99 (101 ms; 12 ms with
 the backoff at 10 ms, measured with `mmcache bench --only freshness`). The cost of a
-shorter backoff is an extra fetch request now and then.
+shorter backoff is an extra fetch request now and then. ``Fetcher.__init__``, wrapped
+here, is listed in ``stream.internals`` with its keywords' test.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Client-side remedies for the embedded Tansu broker, applied only when it is the peer.
 
-Measured deviations from Kafka (see BROKER.md) and what is done here about them:
+Measured deviations from Kafka and what is done here about them:
 
 1. ListOffsets(LATEST) answers the newest batch's base offset + 1, too low when that
    batch holds several records, which breaks Faust's recovery. The end offsets are
@@ -11,6 +11,8 @@ Measured deviations from Kafka (see BROKER.md) and what is done here about them:
 Group timing is not a deviation to patch but a setting: see ``stream.worker``.
 Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
 cluster id (``cluster_id``, also what a data dir records) before anything is patched.
+The aiokafka internals used (``Fetcher.end_offsets`` replaced, the fetcher's and the
+client's private names, the protocol requests) are listed in ``stream.internals``.
 """
 
 from __future__ import annotations
