@@ -10,7 +10,6 @@ Nothing is installed: an install would replace the work tree's editable install.
 from __future__ import annotations
 
 import importlib.machinery
-import inspect
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stream import cli, compiled
+from stream import compiled
 
 ROOT = Path(__file__).resolve().parents[2]
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -117,7 +116,15 @@ def test_an_extension_older_than_its_source_is_found_and_serve_warns_of_it(tmp_p
     assert "stream.core.items runs from " + f"items{SUFFIX}" in ran
     assert "older than its source" in ran and "rebuild with `pip install -e .`" in ran
     assert "['stream.core.items']" in ran  # render's extension is newer than its source: not stale
-    assert "warn_stale(" in inspect.getsource(cli._serve)
+    # serve says so first thing: here it then refuses a file as its data dir, and stops
+    (tmp_path / "a-file").write_text("")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MMCACHE_")}
+    served = subprocess.run([sys.executable, "-c", "from stream.cli import main; main()", "serve",
+                             "--data-dir", str(tmp_path / "a-file")], cwd=copy,
+                            env={**env, "PYTHONPATH": str(copy)}, capture_output=True, text=True, timeout=60)
+    assert served.returncode != 0 and "is a file, not a directory" in served.stderr, served.stderr
+    assert f"WARNING mmcache: stream.core.items runs from items{SUFFIX}, which is older than its source" \
+        in served.stderr, served.stderr
 
 
 def test_an_installed_copy_is_not_checked_against_times(tmp_path):
