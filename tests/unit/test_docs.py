@@ -253,3 +253,19 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 def test_no_user_page_names_an_issue_number():
     for path in [ROOT / "README.md", *DOCS.glob("*.md")]:
         assert not re.search(r"\bissue #?\d+", path.read_text(), re.I), path
+
+
+def test_every_flag_in_the_readmes_command_line_exists():
+    block = re.search(r"^## Command line\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S | re.M)
+    commands = _commands(_parser())
+    usage: dict[str, str] = {}
+    name = ""
+    for line in block.group(1).splitlines():
+        started = re.match(r"^mmcache (?:([a-z]+(?: digest)?)\b)?(.*)", line)
+        if started:
+            name, line = started.group(1) or "", started.group(2)
+        usage[name] = usage.get(name, "") + " " + line
+    for name, line in usage.items():
+        if name in commands:
+            flags = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", line)) - {"--help"}
+            assert flags <= commands[name], (name, flags - commands[name])
