@@ -67,7 +67,8 @@ class BuildCore(build_ext):
                 self.build_extension(ext)
             except BUILD_ERRORS as exc:
                 failed.append(ext)
-                why = why or f"the C compiler failed ({str(exc).strip() or type(exc).__name__})"
+                detail = str(exc).strip() or type(exc).__name__
+                why = why or f"the C compiler failed ({detail[:200]}{'...' if len(detail) > 200 else ''})"
         if failed:
             self.fall_back(failed, why)
 
