@@ -133,3 +133,16 @@ def test_the_effective_configuration_masks_the_password_and_says_where_capacity_
     assert "auth for writes and /v1/state on (tokens from /etc/mmcache/tokens)" in line
     assert "auth for /v1/match off" in line and "broker kafka:9092" in line
     assert "\n" not in line
+
+
+def test_a_config_error_names_the_variable_when_the_file_came_from_it(tmp_path, monkeypatch):
+    from stream.cli import _parser, _settings
+
+    broken = _write(tmp_path, "plugins: [\n")
+    monkeypatch.setenv("MMCACHE_CONFIG", str(broken))
+    with pytest.raises(SystemExit) as refused:
+        _settings(_parser().parse_args(["serve"]))
+    assert str(refused.value.code).startswith(f"configuration error: MMCACHE_CONFIG={broken}: not valid YAML")
+    with pytest.raises(SystemExit) as refused:
+        _settings(_parser().parse_args(["serve", "--config", str(broken)]))
+    assert str(refused.value.code).startswith(f"configuration error: --config {broken}: not valid YAML")
