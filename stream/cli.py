@@ -201,9 +201,10 @@ def _logging_config(level: str) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> None:
     """Run a worker until SIGINT/SIGTERM, in this order: refuse a data dir that is not
-    ours, take its lock (a second serve on it is refused before anything starts), refuse
-    a port that is taken, find the cluster (start the embedded broker and give it back
-    the log kept in the data dir, or ask the given cluster for its id), claim the dir
+    ours, take its lock (a second serve on it is refused before anything else; a missing
+    dir is made and locked only after the next two checks), refuse a port that is taken,
+    find the cluster (ask the given one for its id, or start the embedded broker and give
+    it back the log kept in the data dir), claim the dir
     (cluster check), start reading the local state, keep the embedded broker's log,
     log the effective configuration, run Faust with a bound on its shutdown; then stop
     Faust, the log's journal and the broker, in that order."""
@@ -225,14 +226,17 @@ def _serve(args: argparse.Namespace) -> None:
     _refuse_file_as_data_dir(settings.data_dir)
     datadir = DataDir(settings.data_dir)
     datadir.refuse_foreign()  # before the lock file is added to a dir that is not ours
-    datadir.root.mkdir(parents=True, exist_ok=True)
-    datadir.lock()
+    if datadir.root.exists():
+        datadir.lock()  # a second serve on a live dir stops here, before anything else
     _refuse_taken_port(settings.host, settings.port)
     broker = journal = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
         cluster = _cluster_id(bootstrap, settings)
-    else:
+    # a missing dir is made only once the checks above passed, and locked before any broker
+    datadir.root.mkdir(parents=True, exist_ok=True)
+    datadir.lock()
+    if not bootstrap:
         broker, journal = _start_embedded(datadir, settings)
         bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
     loop = new_event_loop()
