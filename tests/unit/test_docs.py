@@ -269,3 +269,15 @@ def test_every_flag_in_the_readmes_command_line_exists():
         if name in commands:
             flags = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", line)) - {"--help"}
             assert flags <= commands[name], (name, flags - commands[name])
+
+
+def test_every_environment_only_setting_is_on_the_cli_page():
+    from stream.config import FLAGS, KafkaSecurity, Limits, Settings
+
+    paragraph = re.search(r"^Environment only: (.*?)\n\n", text("cli.md"), re.S | re.M).group(1)
+    documented = set(re.findall(r"`(MMCACHE_[A-Z0-9_]+)`", paragraph))
+    names = {f"MMCACHE_{name.upper()}" for name in Limits.model_fields}
+    names |= {f"MMCACHE_KAFKA_{name.upper()}" for name in KafkaSecurity.model_fields}
+    names |= {f"MMCACHE_{name.upper()}" for name in Settings.model_fields
+              if name not in FLAGS and name not in ("limits", "kafka")}
+    assert names <= documented, names - documented
