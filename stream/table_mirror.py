@@ -130,6 +130,7 @@ def refuse_unwritable_state(datadir: DataDir) -> None:
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
+            datadir.release()  # nothing was written: the next start is not a crash's
             raise SystemExit(f"--data-dir {datadir.root}: cannot open the state of partition "
                              f"{partition} for writing ({exc}): free space there (or give a "
                              "larger volume), then start again; nothing was changed") from None
