@@ -104,3 +104,23 @@ def test_the_gauges_are_collected_per_partition():
     samples = {s.labels.get("partition"): s.value for s in families["mmcache_view_lag_events"].samples}
     assert samples == {"0": 2, "1": 0}
     assert families["mmcache_view_staleness_seconds"].samples[0].value == 2.0
+
+
+def test_a_worker_problem_is_named_in_the_reason_and_changes_no_status():
+    problem = "state writes fail for partitions [2] for 3 s (IO error: No space left on device)"
+    ready = decide(True, ViewLag({0: 40}, 1.0), None, problem)
+    assert ready.status == "ready" and problem in ready.reason and "from memory" in ready.reason
+    loading = decide(False, ViewLag({}, None), None, problem)
+    assert loading.status == "not_ready" and loading.reason.startswith("loading")
+    assert problem in loading.reason
+    bounded = decide(True, ViewLag({0: 40}, 1.0), 10, problem)  # the unapplied events count
+    assert bounded.status == "not_ready" and "lagging" in bounded.reason and problem in bounded.reason
+    assert decide(True, ViewLag({0: 0}, 0.0), None).reason == "the view answers /v1/match"
+
+
+def test_the_readiness_of_a_worker_asks_its_problem_on_every_report():
+    problems: list[str | None] = [None]
+    readiness = Readiness(lambda: {0: 4}, Ends(), lambda: True, problem=lambda: problems[-1])
+    assert readiness.report().reason.startswith("loading")
+    problems.append("state writes fail")
+    assert readiness.report().reason.endswith("; state writes fail")

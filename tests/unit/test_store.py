@@ -369,3 +369,26 @@ def test_changelog_gate_drops_events_written_again_after_later_ones():
     seed = [(entry_key("ns/s", f"h{i}"), encode_entry(Entry("ns/s", f"h{i}", 1, i, 0)), i)
             for i in range(100)]
     assert seeded.admit(seed) == list(range(100))
+
+
+def test_a_copy_of_a_changelog_gate_admits_again_what_the_gate_admitted_after_it():
+    """A restore the file refused is given again from the copy taken before it."""
+    from stream.core.cache import Entry
+    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
+
+    def event(offset: int, upserts: list[str], removals: list[str] = ()) -> list[tuple]:
+        records = [(entry_key("ns/a", h), encode_entry(Entry("ns/a", h, 1, offset, i)))
+                   for i, h in enumerate(upserts)]
+        records += [(entry_key("ns/a", h), None) for h in removals]
+        records.append((APPLIED_KEY, encode_applied(offset)))
+        return [(key, value, (offset, key)) for key, value in records]
+
+    gate = ChangelogGate()
+    gate.admit(event(5, ["a"]))
+    gate.admit(event(6, ["b"], ["a"])[:2])  # its removal waits for its applied record
+    before = gate.copy()
+    batch = event(6, [], [])[-1:] + event(7, ["c"])  # 6's applied record, then 7
+    first = gate.admit(batch)
+    assert len(first) == 4 and gate.applied == 7  # 6's removal, 6's applied record, 7's two
+    assert before.applied == 5
+    assert before.admit(batch) == first  # the same items again, the held removal included

@@ -1,0 +1,128 @@
+"""The state files refusing writes (a full disk): what counts as the data dir failing, what
+``StateWrites`` reports, and the retries of the keeper's writes and of Faust's restore."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from rocksdict import Options, Rdict, WriteBatch
+
+from stream.store import APPLIED_KEY, encode_applied
+from stream.table_mirror import StateWrites, TableMirror, gate_changelog_restore, is_storage_error
+
+FULL = "IO error: No space left on device: While appending to file: lru-2.db/000004.log"
+
+
+def test_storage_errors_are_the_data_dirs_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - rocksdict raises a bare Exception
+        Rdict(str(tmp_path / "file" / "db"), Options(raw_mode=True))
+    assert is_storage_error(raised.value), raised.value
+    assert is_storage_error(Exception(FULL))
+    assert is_storage_error(Exception("No space left on device (os error 28)"))
+    assert is_storage_error(OSError(28, "No space left on device"))
+    assert not is_storage_error(Exception("Corruption: bad block"))
+    assert not is_storage_error(ValueError("a bug"))
+
+
+def test_state_writes_report_the_failing_partitions_until_they_are_written(caplog) -> None:
+    now = [100.0]
+    writes = StateWrites(clock=lambda: now[-1])
+    assert writes.problem() is None
+    with caplog.at_level(logging.ERROR, "stream.table_mirror"):
+        writes.failed(2, Exception(FULL))
+        now.append(103.0)
+        writes.failed(2, Exception(FULL))
+    assert len(caplog.records) == 1  # once until it is written
+    assert writes.problem() == (f"state writes fail for partitions [2] for 3 s ({FULL}): their "
+                                "events are not applied or acknowledged until stored (retrying)")
+    figures = {m.name: m.samples[0].value for m in writes.collect()}
+    assert figures == {"mmcache_state_write_errors": 2, "mmcache_state_writes_failing": 1}
+    writes.stored(2)
+    assert writes.problem() is None and writes.errors_total == 2
+
+
+class _Refusing:
+    """A partition file that refuses ``refusals`` writes, as RocksDB does on a full disk."""
+
+    def __init__(self, db: Rdict, refusals: int) -> None:
+        self.db, self.refusals, self.closed = db, refusals, False
+
+    def write(self, batch: Any) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise Exception(FULL)  # noqa: TRY002 - what rocksdict raises
+        self.db.write(batch)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.db.get(key)
+
+    def close(self) -> None:
+        self.closed = True
+        raise Exception("IO error: Writer has previous error.")  # noqa: TRY002
+
+
+class _Store:
+    """What the mirror and the restore gate use of Faust's RocksDB store."""
+
+    def __init__(self, db: Rdict, refusals: int) -> None:
+        self.db, self.refusals = db, refusals
+        self._dbs: dict[int, Any] = {}
+        self.opened = 0
+        self.restored: list[list[Any]] = []
+
+    def _db_for_partition(self, partition: int) -> Any:
+        if partition not in self._dbs:
+            self.opened += 1
+            self._dbs[partition] = _Refusing(self.db, self.refusals)
+            self.refusals = 0  # a reopened file takes writes (the space came back)
+        return self._dbs[partition]
+
+    def apply_changelog_batch(self, batch: Any, to_key: Any, to_value: Any) -> None:
+        self.restored.append(list(batch))
+        for event in batch:
+            records = WriteBatch(raw_mode=True)
+            records.put(event.message.key, event.message.value)
+            self._db_for_partition(event.message.partition).write(records)
+
+
+def test_a_refused_write_is_retried_on_a_reopened_file_and_stored_whole(tmp_path: Path) -> None:
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    store = _Store(db, refusals=1)
+    table = SimpleNamespace(data=store, changelog_topic=SimpleNamespace(get_topic_name=lambda: "c"))
+    writes = StateWrites()
+    mirror = TableMirror(SimpleNamespace(), table, writes)
+    rows = [(b"\x01k", b"v"), (APPLIED_KEY, encode_applied(9))]
+    assert asyncio.run(mirror._store(3, rows, lambda: True))
+    assert store.opened == 2 and writes.errors_total == 1 and not writes.failing
+    assert db[b"\x01k"] == b"v" and db[APPLIED_KEY] == encode_applied(9)
+    store._dbs.clear()
+    store.refusals = 5
+    assert not asyncio.run(mirror._store(3, [(b"\x01other", b"v")], lambda: False))
+    assert db.get(b"\x01other") is None and writes.failing  # given up (the worker stops)
+    db.close()
+
+
+def test_a_restore_the_file_refused_is_gated_again_from_where_it_was(tmp_path: Path) -> None:
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    store = _Store(db, refusals=1)
+    writes = StateWrites()
+    gate_changelog_restore(SimpleNamespace(data=store), writes)
+
+    def event(key: bytes, value: bytes) -> Any:
+        return SimpleNamespace(message=SimpleNamespace(partition=0, key=key, value=value))
+
+    batch = [event(APPLIED_KEY, encode_applied(4)), event(APPLIED_KEY, encode_applied(5))]
+    with pytest.raises(Exception, match="No space left"):  # Faust keeps the batch, gives it again
+        store.apply_changelog_batch(batch, None, None)
+    assert writes.failing and store.opened == 2  # the refusing file closed, opened again
+    store.apply_changelog_batch(batch, None, None)
+    assert store.restored[0] == store.restored[1] == batch  # not dropped as written again
+    assert not writes.failing and writes.errors_total == 1
+    assert db[APPLIED_KEY] == encode_applied(5)
+    db.close()
