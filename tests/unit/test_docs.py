@@ -281,3 +281,14 @@ def test_every_environment_only_setting_is_on_the_cli_page():
     names |= {f"MMCACHE_{name.upper()}" for name in Settings.model_fields
               if name not in FLAGS and name not in ("limits", "kafka")}
     assert names <= documented, names - documented
+
+
+def test_every_limit_is_in_the_http_pages_limits_table_with_its_default():
+    from stream.config import Limits
+
+    table = re.search(r"^## Limits\n(.*?)(?=^## |\Z)", text("http-api.md"), re.S | re.M).group(1)
+    rows = dict(re.findall(r"^\| `(MMCACHE_[A-Z_]+)` \| (.*?) \|$", table, re.M))
+    for name, info in Limits.model_fields.items():
+        row = rows[f"MMCACHE_{name.upper()}"]
+        shown = "16 MiB" if name == "max_body_bytes" else f"{info.default:,}"
+        assert row.startswith(shown), (name, row)
