@@ -229,7 +229,7 @@ def _serve(args: argparse.Namespace) -> None:
     if datadir.root.exists():
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     _refuse_taken_port(settings.host, settings.port)
-    broker = journal = None
+    broker = journal = kept_log = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
         cluster = _cluster_id(bootstrap, settings)
@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> None:
     datadir.root.mkdir(parents=True, exist_ok=True)
     datadir.lock()
     if not bootstrap:
-        broker, journal = _start_embedded(datadir, settings)
+        broker, kept_log = _start_embedded(datadir, settings)
         bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
     loop = new_event_loop()
     try:
@@ -257,8 +257,8 @@ def _serve(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
-        if journal is not None:
-            journal = _keep_embedded_log(journal, settings, changelog, partitions)
+        if kept_log is not None:
+            journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog))
         if resolved.capacity_source == "default":
@@ -295,8 +295,8 @@ def _serve(args: argparse.Namespace) -> None:
 def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, Any]:
     """Start serve's own broker with the cluster id of the log the data dir keeps (a new
     one for a new dir) and give it that log back, offsets and all; refuse a dir built
-    against another cluster. Returns the broker and the (not yet started) journal."""
-    from stream.kafka.embedded_log import EmbeddedLog, Journal
+    against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
+    from stream.kafka.embedded_log import EmbeddedLog
 
     kept = datadir.embedded_cluster()  # refuses a state of another cluster first
     log_files = EmbeddedLog(datadir.log_root)
@@ -308,16 +308,19 @@ def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, A
         if kept is None:
             log_files.create(broker.cluster_id)
         else:
+            if datadir.running.exists():  # killed: its table files are dropped (claim)
+                log_files.cut_unfinished_changelogs()
             restored = asyncio.run(log_files.restore(broker.bootstrap_servers))
             log.info("embedded broker's log restored from %s: %s", log_files.root,
                      ", ".join(f"{topic} {n} records" for topic, n in restored.items()) or "empty")
     except BaseException:
         broker.stop()
         raise
-    return broker, Journal(log_files, broker.bootstrap_servers, [])
+    return broker, log_files
 
 
-def _keep_embedded_log(journal: Any, settings: Settings, changelog: str, partitions: int) -> Any:
+def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, changelog: str,
+                       partitions: int) -> Any:
     """Record the app's topics in the kept log and start its journal on them."""
     from stream.kafka.embedded_log import Journal
     from stream.kafka.topics import (
@@ -329,12 +332,13 @@ def _keep_embedded_log(journal: Any, settings: Settings, changelog: str, partiti
     topics = {settings.events_topic: (partitions, EVENTS_TOPIC_CONFIG),
               changelog: (partitions, CHANGELOG_TOPIC_CONFIG),
               settings.dead_letter_topic: (partitions, DEAD_LETTER_TOPIC_CONFIG)}
-    kept = journal.files.topics()
-    journal.files.record_topics({name: spec for name, spec in topics.items() if name not in kept})
+    kept = log_files.topics()
+    log_files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
+                            changelogs={changelog: settings.events_topic})
     try:
-        return Journal(journal.files, journal.bootstrap_servers, list(topics)).start()
+        return Journal(log_files, bootstrap, list(topics)).start()
     except RuntimeError as exc:
-        raise SystemExit(f"cannot keep the embedded broker's log in {journal.files.root}: "
+        raise SystemExit(f"cannot keep the embedded broker's log in {log_files.root}: "
                          f"{exc}") from None
 
 

@@ -127,7 +127,13 @@ def _decode_body(body: bytes) -> LogRecord:
 def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
     """The whole frames at the start of ``data`` and the length they take; a torn or
     corrupt frame (and all after it) is left out."""
-    records, at = [], 0
+    records, ends = _frames(data)
+    return records, ends[-1] if ends else 0
+
+
+def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
+    """``read_frames`` with the position where each frame ends."""
+    records, ends, at = [], [], 0
     while at + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, at)
         body = data[at + _FRAME.size:at + _FRAME.size + length]
@@ -135,7 +141,25 @@ def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
             break
         records.append(_decode_body(body))
         at += _FRAME.size + length
-    return records, at
+        ends.append(at)
+    return records, ends
+
+
+def applied_prefix(records: list[LogRecord], end: int) -> int:
+    """How many of a changelog partition's records to keep when its event partition
+    holds offsets below ``end`` only: up to its last applied-offset record below ``end``
+    (before any at or past it). What follows may hold entries of events the kept log
+    lost (a kill between the broker's acknowledgement and the journal's write) or an
+    unfinished batch; the events the kept log does hold are applied again after it."""
+    from stream.store import APPLIED_KEY, decode_applied
+
+    keep = 0
+    for index, record in enumerate(records):
+        if record.key == APPLIED_KEY and record.value is not None:
+            if decode_applied(record.value) >= end:
+                break
+            keep = index + 1
+    return keep
 
 
 class EmbeddedLog:
@@ -165,12 +189,16 @@ class EmbeddedLog:
         """Mark the dir as holding the log of the broker ``cluster_id`` (no topics yet)."""
         self._write_meta({"cluster_id": cluster_id, "topics": {}})
 
-    def record_topics(self, topics: dict[str, tuple[int, dict[str, str]]]) -> None:
-        """Add topics (partitions, config) to those the log holds, with their files."""
+    def record_topics(self, topics: dict[str, tuple[int, dict[str, str]]],
+                      changelogs: dict[str, str] | None = None) -> None:
+        """Add topics (partitions, config) to those the log holds, with their files;
+        ``changelogs`` names the event topic whose applied offsets each changelog holds."""
         meta = self.read_meta()
         known = meta.setdefault("topics", {})
         for name, (partitions, config) in topics.items():
             known[name] = {"partitions": partitions, "config": config}
+            if changelogs and name in changelogs:
+                known[name]["applied_offsets_of"] = changelogs[name]
             (self.root / name).mkdir(parents=True, exist_ok=True)
             for partition in range(partitions):
                 self.partition_path(name, partition).touch()
@@ -204,6 +232,32 @@ class EmbeddedLog:
         handle.truncate(length)
         handle.seek(length)
         return handle, (records[-1].offset + 1 if records else 0)
+
+    def cut_unfinished_changelogs(self) -> int:
+        """After a kill: cut each changelog partition after its last applied-offset record
+        whose event the kept log holds (``applied_prefix``); return the records cut. The
+        table files are dropped after a kill anyway, so they restore from what is kept."""
+        cut = 0
+        for name, spec in self.topics().items():
+            source = spec.get("applied_offsets_of")
+            if source is None:
+                continue
+            for partition in range(int(spec["partitions"])):
+                events = self.records(source, partition)
+                end = events[-1].offset + 1 if events else 0
+                path = self.partition_path(name, partition)
+                if not path.exists():
+                    continue
+                records, ends = _frames(path.read_bytes())
+                keep = applied_prefix(records, end)
+                if keep < len(records):
+                    with open(path, "r+b") as handle:
+                        handle.truncate(ends[keep - 1] if keep else 0)
+                    cut += len(records) - keep
+        if cut:
+            log.warning("cut %d changelog records past what the kept event log holds (written "
+                        "just before a kill); the events it holds are applied again", cut)
+        return cut
 
     async def restore(self, bootstrap_servers: str) -> dict[str, int]:
         """Give the (new, empty) broker this log's topics and records with their offsets;

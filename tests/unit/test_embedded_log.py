@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from stream.kafka.embedded_log import EmbeddedLog, LogRecord, encode_frame, is_log_entry, read_frames
+from stream.kafka.embedded_log import (
+    EmbeddedLog,
+    LogRecord,
+    applied_prefix,
+    encode_frame,
+    is_log_entry,
+    read_frames,
+)
+from stream.store import APPLIED_KEY, encode_applied
 
 RECORDS = [
     LogRecord(0, 1_700_000_000_000, 0, b"ns/pod-a", b'{"v":1}', (("mmcache.reason", b"x"),)),
@@ -60,3 +68,39 @@ def test_only_the_journals_own_names_are_recognised():
     assert not is_log_entry(1, "0.log", True)
     assert not is_log_entry(1, "notes.txt", False)
     assert not is_log_entry(2, "0.log", False)
+
+
+def _changelog(*applied: int) -> list[LogRecord]:
+    """A changelog partition: per batch one entry record, then its applied-offset record."""
+    records: list[LogRecord] = []
+    for offset in applied:
+        for key, value in ((b"\x01entry", b"e"), (APPLIED_KEY, encode_applied(offset))):
+            records.append(LogRecord(len(records), 0, 0, key, value))
+    return records
+
+
+@pytest.mark.parametrize("end,keep", [(10, 6), (6, 6), (5, 4), (4, 4), (3, 2), (2, 2), (1, 0), (0, 0)])
+def test_a_changelog_is_kept_up_to_its_last_applied_record_the_event_log_holds(end, keep):
+    """Applied offsets 1, 3, 5: an event log ending below an applied offset cuts the
+    changelog before that batch (its entries may be of events the kept log lost)."""
+    assert applied_prefix(_changelog(1, 3, 5), end) == keep
+
+
+def test_an_unfinished_batch_after_the_last_applied_record_is_cut():
+    records = _changelog(1, 3) + [LogRecord(4, 0, 0, b"\x01entry", b"e")]
+    assert applied_prefix(records, 10) == 4
+
+
+def test_after_a_kill_the_changelog_is_cut_where_the_kept_events_end(tmp_path):
+    files = EmbeddedLog(tmp_path / "log")
+    files.create("mmcache-embedded-tansu-0123456789abcdef")
+    files.record_topics({"app-events": (1, {}), "app-lru-changelog": (1, {})},
+                        changelogs={"app-lru-changelog": "app-events"})
+    events = [LogRecord(i, 0, 0, b"k", b"v") for i in range(4)]  # offsets 0..3 kept
+    files.partition_path("app-events", 0).write_bytes(b"".join(map(encode_frame, events)))
+    changelog = _changelog(1, 3, 5)  # event 5's batch reached the journal, event 5 did not
+    files.partition_path("app-lru-changelog", 0).write_bytes(b"".join(map(encode_frame, changelog)))
+    assert files.cut_unfinished_changelogs() == 2
+    assert files.records("app-lru-changelog", 0) == changelog[:4]
+    assert files.records("app-events", 0) == events
+    assert files.cut_unfinished_changelogs() == 0
