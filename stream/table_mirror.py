@@ -14,6 +14,7 @@ to write, so each retry reopens the partition's file and builds the batch again.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -37,7 +38,8 @@ from stream.store import (
 )
 
 __all__ = ["MappingMirror", "Mirror", "StateNotStored", "StateWrites", "TableMirror",
-           "gate_changelog_restore", "is_storage_error", "refuse_unwritable_state"]
+           "closed_partitions", "gate_changelog_restore", "is_storage_error",
+           "refuse_unwritable_state", "reopen_partition", "schedule_reopen"]
 
 log = logging.getLogger(__name__)
 
@@ -103,20 +105,76 @@ class StateWrites:
                                 "refuses writes now (0: all are written)", value=len(self.failing))
 
 
-def reopen_partition(store: Any, partition: int) -> None:
+class _Reopens:
+    """One store's partitions closed after a failed write and not open again yet, and
+    those being reopened now."""
+
+    def __init__(self) -> None:
+        self.closed: set[int] = set()
+        self.running: set[int] = set()
+
+
+_reopens: dict[int, _Reopens] = {}
+
+
+def closed_partitions(store: Any) -> set[int]:
+    """The partitions of ``store`` whose file was closed after a failed write and is not
+    open again: not to be opened on the loop (``reopen_partition`` does it off the loop)."""
+    return _reopens.setdefault(id(store), _Reopens()).closed
+
+
+async def reopen_partition(store: Any, partition: int) -> None:
     """Close the partition's file, which refuses every write after a failed one, and open it
-    again (or leave it closed: the next write opens it) in Faust's store (``store._dbs``)."""
+    again in Faust's store (``store._dbs``), or leave it in ``closed_partitions``; return
+    at once if that is under way already (``schedule_reopen``).
+
+    Both run in a thread: closing a file that failed took ~1 s, and opening one replays its
+    log into a new table file (0.4-0.7 s for 8 MB, failing again while the disk is full);
+    on the loop, either would hold every request that long."""
+    reopens = _reopens.setdefault(id(store), _Reopens())
+    if partition not in reopens.running:
+        reopens.running.add(partition)
+        reopens.closed.add(partition)
+        await _reopen_now(store, partition, reopens)
+
+
+def schedule_reopen(store: Any, partition: int) -> None:
+    """``reopen_partition`` as a task, from code that cannot wait (Faust's restore)."""
+    reopens = _reopens.setdefault(id(store), _Reopens())
+    reopens.closed.add(partition)
+    if partition not in reopens.running:
+        reopens.running.add(partition)
+        asyncio.ensure_future(_reopen_now(store, partition, reopens))
+
+
+async def _reopen_now(store: Any, partition: int, reopens: _Reopens) -> None:
     db = store._dbs.pop(partition, None)
+    try:
+        opened = await asyncio.to_thread(_reopen, store, partition, db)
+    finally:
+        reopens.running.discard(partition)
+    if opened is not None:
+        if partition in store._dbs:  # opened meanwhile by Faust itself
+            await asyncio.to_thread(opened.close)
+        else:
+            store._dbs[partition] = opened
+    if partition in store._dbs:
+        reopens.closed.discard(partition)
+
+
+def _reopen(store: Any, partition: int, db: Any) -> Any:
+    """``reopen_partition``'s work, off the loop: the file opened again, or ``None``."""
     if db is not None:
         try:
             db.close()
         except Exception as exc:  # noqa: BLE001 - "Writer has previous error": closed all the same
             log.debug("closing partition %d's file: %s", partition, exc)
     try:
-        store._db_for_partition(partition)
+        return store._open_for_partition(partition)
     except Exception as exc:
         if not is_storage_error(exc):
             raise
+        return None
 
 
 def refuse_unwritable_state(datadir: DataDir) -> None:
@@ -215,13 +273,20 @@ class TableMirror:
         """Write one partition's rows as one batch, retrying a file that refuses it."""
         store, delay = self.table.data, RETRY_FIRST_S
         while True:
+            closed = closed_partitions(store)
             try:
+                if partition in closed:
+                    await reopen_partition(store, partition)
+                    if partition in closed:
+                        raise OSError(errno.EIO, f"the state file of partition {partition} "
+                                      "cannot be opened again yet")
                 store._db_for_partition(partition).write(_batch(rows))
             except Exception as exc:
                 if not is_storage_error(exc):
                     raise
                 self.health.failed(partition, exc)
-                reopen_partition(store, partition)
+                if partition not in closed:  # a failed write: the file refuses every other
+                    await reopen_partition(store, partition)
                 if not keep_trying():
                     return False
                 await asyncio.sleep(delay)
@@ -298,8 +363,14 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
 
     def apply_changelog_batch(batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
         events = list(batch)
-        before = {partition: gate.copy() for partition, gate in gates.items()}
         touched = {event.message.partition for event in events}
+        busy = touched & closed_partitions(store)
+        if busy:  # being reopened, or closed by a failed write: reopened off the loop first
+            for partition in busy:
+                schedule_reopen(store, partition)
+            raise OSError(errno.EAGAIN, f"the state files of partitions {sorted(busy)} are "
+                          "being opened again after a failed write; the restore is retried")
+        before = {partition: gate.copy() for partition, gate in gates.items()}
         try:
             restore(list(admitted(events)), to_key, to_value)
         except Exception as exc:
@@ -309,7 +380,7 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
             gates.update(before)
             for partition in sorted(touched):
                 health.failed(partition, exc)
-                reopen_partition(store, partition)
+                schedule_reopen(store, partition)
             raise
         for partition in touched:
             health.stored(partition)
