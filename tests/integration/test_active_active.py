@@ -140,10 +140,12 @@ def test_readyz_stays_200_and_no_match_is_lost_while_a_second_worker_joins(make_
     stop = threading.Event()
     counts = {"ready": 0, "not_ready": 0, "answers": 0, "fewer": 0}
 
+    errors: list[BaseException] = []
+
     def poll_ready() -> None:
         while not stop.is_set():
             counts["ready" if first.get("/readyz")[0] == 200 else "not_ready"] += 1
-            time.sleep(0.02)
+            time.sleep(0.02)  # paces the poller (~50 a second)
 
     def match_forever() -> None:
         while not stop.is_set():
@@ -152,7 +154,17 @@ def test_readyz_stays_200_and_no_match_is_lost_while_a_second_worker_joins(make_
                 if matched(first, endpoint, hashes) < 8:
                     counts["fewer"] += 1
 
-    threads = [threading.Thread(target=poll_ready), threading.Thread(target=match_forever)]
+    def reporting(target: Any) -> Any:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # noqa: BLE001 - raised in the test after the join
+                errors.append(exc)
+                stop.set()
+        return run
+
+    threads = [threading.Thread(target=reporting(poll_ready)),
+               threading.Thread(target=reporting(match_forever))]
     for thread in threads:
         thread.start()
     try:
@@ -161,11 +173,16 @@ def test_readyz_stays_200_and_no_match_is_lost_while_a_second_worker_joins(make_
         _, theirs = eventually(lambda: settled(first, second), timeout=40)
         # the moved partitions are followed now: wait until their re-read is in
         eventually(lambda: readyz(first)[1]["lag_events"] == 0, timeout=20)
-        time.sleep(2.0)
+        # and keep matching after it: every endpoint twice more
+        after = counts["answers"]
+        eventually(lambda: errors or counts["answers"] >= after + 2 * len(items), timeout=30)
     finally:
         stop.set()
         for thread in threads:
             thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    if errors:
+        raise errors[0]
     assert theirs  # partitions did move
     assert counts["answers"] - before > 100
     assert counts["ready"] > 50

@@ -157,7 +157,10 @@ def test_a_revocation_waits_for_the_batch_in_flight_and_commits_none_of_it(
                 in_flight.insert(0, partition)
                 events.append(("handler started", partition))
                 started.set()
-                await asyncio.sleep(4.0)  # the second worker joins meanwhile
+                # held until the second worker's join revokes the partitions: Faust's
+                # revocation suspends the flow, then waits for this batch
+                await until(lambda: first is not None and not first.flow_control.is_active(), 40,
+                            "the second worker's join revokes the first's partitions")
                 events.append(("handler finished", partition))
                 return  # handled; whether it counts is what the test finds out
             first_handled[partition].extend(offsets)
@@ -263,9 +266,10 @@ def test_a_stalled_partition_is_fetched_again_from_the_applied_offset(
             app.consumer.resume_partitions({tp})
             watch = StallWatch(after_s=1.0)
             applied = {0: 9}  # the view's, as the keeper keeps it
+            # a fetch answered after the resume (the end was 10 while paused): it was made
+            # from offset 15, past the records nobody handled
             await until(lambda: app.consumer.highwater(tp) == 15, 10, "the log's end read")
             assert await rewind_stalled(app, topic, applied, watch, 0.0) == []  # behind: noted
-            await asyncio.sleep(1.0)
             assert handled == list(range(10))  # nothing fetched past the seek
             assert await rewind_stalled(app, topic, applied, watch, 1.0) == [0]
             # from the applied offset, or the committed one when lower (re-taken ones are
@@ -302,10 +306,10 @@ def test_a_failed_changelog_send_stops_the_worker_without_acknowledging(
             assert isinstance(reason, ProducerSendError), repr(reason)
             assert isinstance(reason.__cause__, MessageSizeTooLargeError), repr(reason)
             assert failed and failed[0][0] == 0
-            await asyncio.sleep(1.5)  # three commit intervals: nothing may be committed
-            assert await committed(bootstrap, app_id, topic, 1) == {0: -1}
         finally:
             await stop(first)
+        # stopped: it commits nothing more, and it committed none of the failed batch
+        assert await committed(bootstrap, app_id, topic, 1) == {0: -1}
 
         async def succeeding(partition: int, records: Sequence[Any]) -> None:
             again.extend(r.offset for r in records)
