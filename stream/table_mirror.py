@@ -170,7 +170,8 @@ def _reopen(store: Any, partition: int, db: Any) -> Any:
         except Exception as exc:  # noqa: BLE001 - "Writer has previous error": closed all the same
             log.debug("closing partition %d's file: %s", partition, exc)
     try:
-        return store._open_for_partition(partition)
+        # as Faust's own open (``Store._open_for_partition``) of a writable store
+        return store.rocksdb_options.open(store.partition_path(partition))
     except Exception as exc:
         if not is_storage_error(exc):
             raise

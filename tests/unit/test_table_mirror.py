@@ -81,13 +81,17 @@ class _Store:
         self._dbs: dict[int, Any] = {}
         self.opened = 0
         self.restored: list[list[Any]] = []
+        self.rocksdb_options = SimpleNamespace(open=self._open)
+
+    def partition_path(self, partition: int) -> Path:
+        return Path(f"lru-{partition}.db")
 
     def _db_for_partition(self, partition: int) -> Any:
         if partition not in self._dbs:
-            self._dbs[partition] = self._open_for_partition(partition)
+            self._dbs[partition] = self._open(self.partition_path(partition))
         return self._dbs[partition]
 
-    def _open_for_partition(self, partition: int) -> Any:
+    def _open(self, path: Path) -> Any:
         self.opened += 1
         db, self.refusals = _Refusing(self.db, self.refusals), 0  # reopened: the space came back
         return db
