@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,51 @@ def test_a_clean_stop_and_start_keeps_everything_and_the_local_files(serve, tmp_
     assert _matched(third) == PLACEMENTS
     assert third.settled_digest() == digest
     assert _rebuild(third.bootstrap(), tmp_path / "rebuilt") == digest
+
+
+def test_kill_9_in_the_middle_of_writes_loses_no_acknowledged_one(serve, tmp_path):
+    """Killed while writes are in flight (some acknowledged, some not, records torn in the
+    kept files): every write answered 202 is there after the restart, and live == rebuild."""
+    first = serve()
+    acknowledged: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            endpoint, digest = f"ns/crash-{n % 10}", f"w{worker}-{n}"
+            body = {"request_id": digest, "endpoints": [endpoint],
+                    "items": [{"hash": digest, "size": 1, "modality": "image"}]}
+            try:
+                if http("POST", first.url + "/v1/placements", body)[0] == 202:
+                    acknowledged.append((endpoint, digest))
+            except OSError:
+                return  # the service is gone
+            n += 1
+
+    loaders = [threading.Thread(target=load, args=(w,)) for w in range(4)]
+    for loader in loaders:
+        loader.start()
+    try:
+        eventually(lambda: len(acknowledged) > 400, timeout=60)
+        first.stop(signal.SIGKILL)
+    finally:
+        stop.set()
+        for loader in loaders:
+            loader.join()
+
+    again = serve()
+    by_endpoint: dict[str, list[str]] = {}
+    for endpoint, digest in acknowledged:
+        by_endpoint.setdefault(endpoint, []).append(digest)
+
+    def missing() -> int:
+        lost = 0
+        for endpoint, hashes in by_endpoint.items():
+            body = {"generate": {"features": {"mm_hashes": {"image": hashes}}}}
+            answer = http("POST", again.url + "/v1/match", {"endpoints": [endpoint], "body": body})[1]
+            lost += len(hashes) - len(answer["endpoints"][0]["matched_items"])
+        return lost
+
+    eventually(lambda: missing() == 0, timeout=30)
+    assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == again.settled_digest()
