@@ -274,10 +274,14 @@ class DataDir:
             if cluster_id is None or recorded == cluster_id:
                 return
             if recorded is not None:
+                kept = EmbeddedLog(self.log_root).cluster_id() == recorded
                 raise StateMismatch(
                     f"{self.root} was built against Kafka cluster {recorded!r}, not "
-                    f"{cluster_id!r}: nothing was deleted. Use another --data-dir or an "
-                    "empty one, or build one for this cluster with `mmcache rebuild`."
+                    f"{cluster_id!r}: nothing was deleted. "
+                    + ("It keeps that embedded broker's log: serve it without "
+                       "--bootstrap-servers, or " if kept else "")
+                    + ("use" if kept else "Use") + " another --data-dir or an empty one, or "
+                    "build one for this cluster with `mmcache rebuild`."
                 )
         self.root.mkdir(parents=True, exist_ok=True)
         marker = {**identity, _CLUSTER_KEY: cluster_id} if cluster_id is not None else identity

@@ -276,3 +276,14 @@ def test_a_process_that_does_not_hold_the_lock_releases_nothing(tmp_path):
 
 def test_the_in_use_refusal_is_a_state_mismatch_exit():
     assert issubclass(DataDirInUse, SystemExit)
+
+
+def test_a_dir_keeping_an_embedded_log_served_with_bootstrap_servers_says_to_drop_the_flag(tmp_path):
+    cluster = new_cluster_id()
+    datadir = ours(tmp_path, cluster)
+    EmbeddedLog(datadir.log_root).create(cluster)
+    before = snapshot(tmp_path)
+    with pytest.raises(StateMismatch, match="keeps that embedded broker's log: serve it without "
+                                            "--bootstrap-servers"):
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=REAL_CLUSTER)
+    assert snapshot(tmp_path) == before
