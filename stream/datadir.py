@@ -97,9 +97,9 @@ def _is_ours(parts: tuple[str, ...], path: Path, is_dir: bool) -> bool:
             return name in ("v1", "lost+found")
         if name in _MARKS:
             return _is_our_mark(path)
-        if name == "mmcache-state.json":
+        if name in ("mmcache-state.json", "mmcache-state.json.tmp"):
             return _is_our_marker(path)
-        return name in ("mmcache-state.json.tmp", LOCK_NAME)
+        return name == LOCK_NAME
     if parts[0] != "v1":
         return False
     if depth == 2:

@@ -127,7 +127,7 @@ def test_the_same_cluster_keeps_the_state(tmp_path):
 @pytest.mark.parametrize("recorded", [
     new_cluster_id(STANDALONE_CLUSTER_PREFIX),  # `mmcache broker` + --bootstrap-servers
     new_cluster_id(),  # serve's broker of an earlier version (memory only), or the old prefix
-    REAL_CLUSTER])
+    REAL_CLUSTER], ids=["standalone", "old-embedded", "kafka"])  # ids: the same in every xdist worker
 def test_an_embedded_start_on_a_dir_built_against_another_cluster_is_refused_not_cleared(
         tmp_path, recorded):
     """A forgotten --bootstrap-servers never clears state: refused, naming the cluster and
@@ -177,7 +177,8 @@ def test_after_a_crash_only_our_table_files_are_dropped(tmp_path):
 
 @pytest.mark.parametrize("name,content", [
     ("RUNNING", b""), ("RUNNING", b"my notes"), ("RUNNING", b'{"mmcache": "SEED"}'),
-    ("SEED", b""), ("mmcache-state.json", b"{}"), ("mmcache-state.json", b"not json")])
+    ("SEED", b""), ("mmcache-state.json", b"{}"), ("mmcache-state.json", b"not json"),
+    ("mmcache-state.json.tmp", b"my notes")])
 def test_a_mark_or_marker_that_mmcache_did_not_write_is_refused_and_kept(tmp_path, name, content):
     datadir = ours(tmp_path, new_cluster_id())
     (tmp_path / name).write_bytes(content)
