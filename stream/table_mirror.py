@@ -6,9 +6,11 @@ that changelog.
 A file that cannot be written (a full disk, any IO error of the data dir) stops nothing
 but the applying: the batch's write is retried with backoff until it is stored, and its
 events are acknowledged only then, while the view answers ``/v1/match`` from memory and
-``StateWrites`` tells ``/readyz`` and ``/metrics`` why. RocksDB refuses every write
-after its first failed one ("Writer has previous error") and consumes a batch it failed
-to write, so each retry reopens the partition's file and builds the batch again.
+``StateWrites`` tells ``/readyz`` and ``/metrics`` why. A write that would not leave
+``RESERVE_BYTES`` free is not given to RocksDB (``check_room``); one that RocksDB fails
+all the same leaves its file refusing every later write ("Writer has previous error"),
+so the file is closed and opened again (once there is room for its log) before the
+next attempt, and each attempt builds its batch anew (a failed write consumes it).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import faust
@@ -46,6 +50,29 @@ log = logging.getLogger(__name__)
 #: Backoff between two attempts to write a batch the file refused: doubling, capped (a
 #: stop is noticed within the cap).
 RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0
+
+#: Room kept free beside every write (RocksDB's own log and manifest need some). A write
+#: that would not fit is not given to RocksDB at all: one that RocksDB fails leaves its
+#: file refusing every other until it is reopened, and the reopen replays the file's log
+#: holding the GIL (~1 s for 8 MB, every request waiting).
+RESERVE_BYTES = 1 << 20
+
+
+def check_room(path: Path, need: int) -> None:
+    """Raise ENOSPC, as the disk would, unless ``need`` bytes and ``RESERVE_BYTES`` are
+    free on the volume of ``path`` (its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stat = os.statvfs(path)
+    free = stat.f_bavail * stat.f_frsize
+    if free < need + RESERVE_BYTES:
+        raise OSError(errno.ENOSPC, f"No space left on device: {free} bytes free on the "
+                      f"volume of {path}, {need} needed and {RESERVE_BYTES} kept free")
+
+
+def _rows_size(rows: Iterable[tuple[bytes, bytes | None]]) -> int:
+    """About what these rows take in RocksDB's log (their bytes, and a header each)."""
+    return sum(len(key) + len(value or b"") + 16 for key, value in rows)
 
 
 def is_storage_error(exc: BaseException) -> bool:
@@ -169,9 +196,12 @@ def _reopen(store: Any, partition: int, db: Any) -> Any:
             db.close()
         except Exception as exc:  # noqa: BLE001 - "Writer has previous error": closed all the same
             log.debug("closing partition %d's file: %s", partition, exc)
+    path = Path(store.partition_path(partition))
     try:
+        # its log is replayed into a table file: not tried without room for that
+        check_room(path, sum(f.stat().st_size for f in path.glob("*.log")))
         # as Faust's own open (``Store._open_for_partition``) of a writable store
-        return store.rocksdb_options.open(store.partition_path(partition))
+        return store.rocksdb_options.open(path)
     except Exception as exc:
         if not is_storage_error(exc):
             raise
@@ -274,19 +304,21 @@ class TableMirror:
         """Write one partition's rows as one batch, retrying a file that refuses it."""
         store, delay = self.table.data, RETRY_FIRST_S
         while True:
-            closed = closed_partitions(store)
+            closed, checked = closed_partitions(store), False
             try:
                 if partition in closed:
                     await reopen_partition(store, partition)
                     if partition in closed:
                         raise OSError(errno.EIO, f"the state file of partition {partition} "
                                       "cannot be opened again yet")
+                check_room(Path(store.partition_path(partition)), _rows_size(rows))
+                checked = True
                 store._db_for_partition(partition).write(_batch(rows))
             except Exception as exc:
                 if not is_storage_error(exc):
                     raise
                 self.health.failed(partition, exc)
-                if partition not in closed:  # a failed write: the file refuses every other
+                if checked:  # RocksDB failed the write: its file refuses every other
                     await reopen_partition(store, partition)
                 if not keep_trying():
                     return False
@@ -371,6 +403,13 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
                 schedule_reopen(store, partition)
             raise OSError(errno.EAGAIN, f"the state files of partitions {sorted(busy)} are "
                           "being opened again after a failed write; the restore is retried")
+        try:
+            check_room(Path(store.partition_path(min(touched, default=0))),
+                       _rows_size((e.message.key, e.message.value) for e in events))
+        except OSError as exc:
+            for partition in touched:
+                health.failed(partition, exc)
+            raise
         before = {partition: gate.copy() for partition, gate in gates.items()}
         try:
             restore(list(admitted(events)), to_key, to_value)

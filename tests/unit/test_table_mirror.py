@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from stream.store import APPLIED_KEY, encode_applied
 from stream.table_mirror import (
     StateWrites,
     TableMirror,
+    check_room,
     closed_partitions,
     gate_changelog_restore,
     is_storage_error,
@@ -34,6 +36,14 @@ def test_storage_errors_are_the_data_dirs_and_nothing_else(tmp_path: Path) -> No
     assert is_storage_error(OSError(28, "No space left on device"))
     assert not is_storage_error(Exception("Corruption: bad block"))
     assert not is_storage_error(ValueError("a bug"))
+
+
+def test_a_write_that_would_not_leave_the_reserve_free_is_refused_as_by_the_disk(
+        tmp_path: Path) -> None:
+    check_room(tmp_path / "lru-0.db" / "not-yet", 0)  # its nearest existing parent
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        check_room(tmp_path, 1 << 60)
+    assert raised.value.errno == errno.ENOSPC and is_storage_error(raised.value)
 
 
 def test_state_writes_report_the_failing_partitions_until_they_are_written(caplog) -> None:
