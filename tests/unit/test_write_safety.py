@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import orjson
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from aiokafka.errors import UnknownTopicOrPartitionError
 
@@ -62,7 +64,16 @@ def call(api: HttpApi, bodies: list[tuple[str, dict]]) -> list[tuple[int, dict, 
     """(status, answer, seconds) of POSTs sent at once (concurrently) to one app."""
 
     async def run() -> list[tuple[int, dict, float]]:
-        async with TestClient(TestServer(api.application())) as client:
+        app = api.application()
+        arrived: list[str] = []
+
+        @web.middleware
+        async def count(request: web.Request, handler: Any) -> web.StreamResponse:
+            arrived.append(request.path)
+            return await handler(request)
+
+        app.middlewares.insert(0, count)
+        async with TestClient(TestServer(app)) as client:
             async def one(path: str, body: dict) -> tuple[int, dict, float]:
                 started = time.monotonic()
                 response = await client.post(path, data=orjson.dumps(body))
@@ -72,7 +83,8 @@ def call(api: HttpApi, bodies: list[tuple[str, dict]]) -> list[tuple[int, dict, 
             tasks = []
             for path, body in bodies:
                 tasks.append(asyncio.create_task(one(path, body)))
-                await asyncio.sleep(0.02)  # in this order
+                while len(arrived) < len(tasks):  # in this order: each reached the server
+                    await asyncio.sleep(0.001)
             for task in tasks:
                 results.append(await task)
             return results
