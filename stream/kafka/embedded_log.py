@@ -406,11 +406,22 @@ class Journal:
                 files[tp], next_offset = self.files.open_for_append(tp.topic, tp.partition)
                 self._stored[(tp.topic, tp.partition)] = next_offset
                 consumer.seek(tp, next_offset)
+            derived = {name for name in self.topic_names if topics[name].get("applied_offsets_of")}
+            sources = [tp for tp in partitions if tp.topic not in derived]
+            # changelog batches waiting for the source topics to be stored as far as the
+            # broker held them when the batch was fetched (None: that is still to be asked)
+            held: list[tuple[dict[TopicPartition, list[Any]], dict[TopicPartition, int] | None]] = []
             self._ready.set()
             while not self._stop.is_set():
                 batches = await consumer.getmany(timeout_ms=100, max_records=20_000)
+                later = {tp: records for tp, records in batches.items() if tp.topic in derived}
                 for tp, records in batches.items():
-                    self._append(files[tp], tp, records)
+                    if tp.topic not in derived:
+                        self._append(files[tp], tp, records)
+                if later:
+                    held.append((later, None))
+                if held:
+                    await self._release_held(consumer, held, sources, files)
                 if batches:
                     self._wake_waiters()
                     async with self._progress:
@@ -419,6 +430,34 @@ class Journal:
             await consumer.stop()
             for handle in files.values():
                 handle.close()
+
+    async def _release_held(self, consumer: AIOKafkaConsumer,
+                            held: list[tuple[dict[TopicPartition, list[Any]],
+                                             dict[TopicPartition, int] | None]],
+                            sources: list[TopicPartition],
+                            files: dict[TopicPartition, BinaryIO]) -> None:
+        """Store held changelog batches, oldest first, once the event and dead-letter
+        topics are stored up to where the broker held them when the batch was fetched: a
+        changelog record is written after the event it applies and the letters of its
+        batch, so the kept changelog is never ahead of the kept events or letters."""
+        for index, (batch, needs) in enumerate(held):
+            if needs is None:
+                try:
+                    held[index] = (batch, await consumer.end_offsets(sources))
+                except Exception as exc:  # noqa: BLE001 - asked again on the next turn
+                    log.warning("embedded log: cannot read the end offsets (%r); the changelog "
+                                "waits", exc)
+                    return
+        while held:
+            batch, needs = held[0]
+            assert needs is not None
+            with self._lock:
+                ready = all(self._stored[(tp.topic, tp.partition)] >= end for tp, end in needs.items())
+            if not ready:
+                return
+            held.pop(0)
+            for tp, records in batch.items():
+                self._append(files[tp], tp, records)
 
     def _append(self, handle: BinaryIO, tp: TopicPartition, records: list[Any]) -> None:
         expected = self._stored[(tp.topic, tp.partition)]
