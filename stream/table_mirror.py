@@ -31,6 +31,7 @@ from rocksdict import WriteBatch
 
 from stream.core.cache import Effects
 from stream.datadir import DataDir
+from stream.kafka.coordinator import LostMembership
 from stream.store import (
     APPLIED_KEY,
     FAUST_OFFSET_KEY,
@@ -291,6 +292,15 @@ class TableMirror:
         reached: dict[int, int] = {}
         for partition, last, ack in sent:
             metadata = await ack  # of the batch's first record
+            # the file records the changelog offset it holds everything up to: records of
+            # another writer between its offset and these (a zombie owner's successor's)
+            # must not be skipped by it, so nothing of the batch goes to the file then
+            # (the changelog's readers skip the batch: stream.store.ChangelogGate)
+            after = reached.get(partition, self._persisted(partition))
+            if after is not None and metadata.offset != after + 1:
+                raise LostMembership(f"changelog partition {partition}: this batch landed at "
+                                     f"offset {metadata.offset}, the file holds it up to {after}: "
+                                     "another worker wrote the partition meanwhile")
             reached[partition] = max(metadata.offset + last, reached.get(partition, -1))
         for partition, records in pending.items():
             if partition in reached:
@@ -330,6 +340,18 @@ class TableMirror:
 
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
+
+    def _persisted(self, partition: int) -> int | None:
+        """The changelog offset the partition's file holds everything up to (Faust's offset
+        record, which recovery resumes after); ``None`` when not known."""
+        store = self.table.data
+        if partition in closed_partitions(store):
+            return None
+        try:
+            raw = store._db_for_partition(partition).get(FAUST_OFFSET_KEY)
+        except Exception:  # noqa: BLE001 - a file being reopened: not known
+            return None
+        return None if raw is None else int(raw)
 
 
 def _batch(rows: Iterable[tuple[bytes, bytes | None]]) -> WriteBatch:
@@ -396,6 +418,9 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
 
     def apply_changelog_batch(batch: Iterable[Any], to_key: Any, to_value: Any) -> None:
         events = list(batch)
+        if not events:  # Faust flushes its (empty) buffers when it stops: nothing to write
+            restore(events, to_key, to_value)
+            return
         touched = {event.message.partition for event in events}
         busy = touched & closed_partitions(store)
         if busy:  # being reopened, or closed by a failed write: reopened off the loop first
@@ -404,7 +429,7 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
             raise OSError(errno.EAGAIN, f"the state files of partitions {sorted(busy)} are "
                           "being opened again after a failed write; the restore is retried")
         try:
-            check_room(Path(store.partition_path(min(touched, default=0))),
+            check_room(Path(store.partition_path(min(touched))),
                        _rows_size((e.message.key, e.message.value) for e in events))
         except OSError as exc:
             for partition in touched:
@@ -413,6 +438,14 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
         before = {partition: gate.copy() for partition, gate in gates.items()}
         try:
             restore(list(admitted(events)), to_key, to_value)
+            # past the skipped records too: the file's offset is where it holds the
+            # changelog up to (TableMirror.flush tells another writer's records by it)
+            highest: dict[Any, int] = {}
+            for event in events:
+                tp, offset = event.message.tp, event.message.offset
+                highest[tp] = max(offset, highest.get(tp, offset))
+            for tp, offset in highest.items():
+                store.set_persisted_offset(tp, offset)
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
