@@ -4,6 +4,7 @@ acknowledged event and the same state, and `rebuild` replays that log."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
 
 import stream
 from stream.kafka.embedded import free_port
@@ -230,3 +233,56 @@ def test_kill_9_in_the_middle_of_writes_loses_no_acknowledged_one(serve, tmp_pat
 
     eventually(lambda: missing() == 0, timeout=30)
     assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == again.settled_digest()
+
+
+async def _produce_raw(bootstrap: str, topic: str, key: bytes, value: bytes) -> tuple[int, int]:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        meta = await producer.send_and_wait(topic, value, key=key)
+        return meta.partition, meta.offset
+    finally:
+        await producer.stop()
+
+
+async def _whole_topic(bootstrap: str, topic: str) -> list:
+    """Every record of the topic, read up to its end offsets (the broker's, not a wait)."""
+    from stream.kafka.tansu import apply_remedies
+
+    apply_remedies()  # Tansu's end offsets, from a fetch (BROKER.md, 1)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        found: list = []
+        async with asyncio.timeout(15):
+            while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+                for batch in (await consumer.getmany(timeout_ms=200)).values():
+                    found.extend(batch)
+        return found
+    finally:
+        await consumer.stop()
+
+
+def test_dead_letters_are_kept_too_and_not_written_again_after_a_restart(serve, tmp_path):
+    first = serve()
+    source = asyncio.run(_produce_raw(first.bootstrap(), "mmcache-events", b"ns/pod-x", b"not json"))
+
+    def letters(service: EmbeddedServe) -> list:
+        return asyncio.run(_whole_topic(service.bootstrap(), "mmcache-dead-letters"))
+
+    found = eventually(lambda: letters(first), timeout=30)
+    assert first.stop(signal.SIGTERM) == 0
+
+    again = serve()
+    _place_all(again)  # the worker has read past the restored log (and skipped it)
+    eventually(lambda: _matched(again) == PLACEMENTS, timeout=30)
+    kept = letters(again)
+    assert [(r.partition, r.offset, r.value, r.headers) for r in kept] == [
+        (r.partition, r.offset, r.value, r.headers) for r in found]
+    assert len(kept) == 1
+    headers = dict(kept[0].headers)
+    assert (int(headers["mmcache.source.partition"]), int(headers["mmcache.source.offset"])) == source
