@@ -106,6 +106,9 @@ class _Store:
         db, self.refusals = _Refusing(self.db, self.refusals), 0  # reopened: the space came back
         return db
 
+    def set_persisted_offset(self, tp: Any, offset: int) -> None:
+        self.persisted = offset
+
     def apply_changelog_batch(self, batch: Any, to_key: Any, to_value: Any) -> None:
         self.restored.append(list(batch))
         for event in batch:
@@ -137,10 +140,11 @@ def test_a_restore_the_file_refused_is_gated_again_from_where_it_was(tmp_path: P
     writes = StateWrites()
     gate_changelog_restore(SimpleNamespace(data=store), writes)
 
-    def event(key: bytes, value: bytes) -> Any:
-        return SimpleNamespace(message=SimpleNamespace(partition=0, key=key, value=value))
+    def event(key: bytes, value: bytes, offset: int) -> Any:
+        return SimpleNamespace(message=SimpleNamespace(partition=0, key=key, value=value,
+                                                       tp=("c", 0), offset=offset))
 
-    batch = [event(APPLIED_KEY, encode_applied(4)), event(APPLIED_KEY, encode_applied(5))]
+    batch = [event(APPLIED_KEY, encode_applied(4), 0), event(APPLIED_KEY, encode_applied(5), 1)]
 
     async def restore_twice() -> None:  # Faust keeps a batch that raised, and gives it again
         with pytest.raises(Exception, match="No space left"):
@@ -158,6 +162,7 @@ def test_a_restore_the_file_refused_is_gated_again_from_where_it_was(tmp_path: P
     asyncio.run(restore_twice())
     assert store.opened == 2  # the refusing file closed, opened again
     assert store.restored[0] == store.restored[1] == batch  # not dropped as written again
+    assert store.persisted == 1  # the file's offset: the last record read
     assert not writes.failing and writes.errors_total == 1
     assert db[APPLIED_KEY] == encode_applied(5)
     db.close()
