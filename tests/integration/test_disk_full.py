@@ -225,7 +225,7 @@ def test_a_crash_on_a_full_disk_recovers_on_it_without_crashing_once_there_is_ro
             return False
         return status == 503 and "No space left on device" in body["reason"]
 
-    eventually(says_why, timeout=60, interval=0.2)
+    eventually(says_why, timeout=90, interval=0.2)
     resize("64m")
     service.wait_ready()
     eventually(lambda: service.digest() == live, timeout=30)
