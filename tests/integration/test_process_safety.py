@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -272,10 +272,12 @@ def test_sigterm_with_the_broker_frozen_exits_in_time_quietly_and_keeps_the_loca
         for i in range(20):
             assert service.post("/v1/placements", placement(i, f"ns/pod-{i % 4}"))[0] == 202
         eventually(lambda: service.get("/v1/state")[1]["total_endpoints"] == 4)
-        with _writes_in_flight(service.url):
+        with _writes_in_flight(service.url) as waiting_since:
             broker.freeze()
+            frozen_at = time.monotonic()
             try:
-                time.sleep(0.5)
+                # a write sent after the freeze waits on the broker
+                eventually(lambda: waiting_since(frozen_at), timeout=10, interval=0.02)
                 code, took, after = _sigterm(service)
             finally:
                 broker.thaw()
@@ -302,25 +304,32 @@ def test_sigterm_with_the_broker_frozen_exits_in_time_quietly_and_keeps_the_loca
 
 
 @contextlib.contextmanager
-def _writes_in_flight(url: str) -> Iterator[None]:
-    """Placements posted without pause from a few threads, so that some wait on the broker."""
+def _writes_in_flight(url: str) -> Iterator[Callable[[float], bool]]:
+    """Placements posted without pause from a few threads, so that some wait on the broker;
+    gives a test whether a write sent since a ``time.monotonic()`` moment is still waiting."""
     stop = threading.Event()
+    started: dict[int, float] = {}  # thread -> when its write in flight was sent
+    answered = [0]
 
     def load() -> None:
         i = 1000
         while not stop.is_set():
             i += 1
+            started[threading.get_ident()] = time.monotonic()
             try:
                 http("POST", url + "/v1/placements", placement(i))
+                answered[0] += 1
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.05)  # paces the retries of a load generator
+            finally:
+                started.pop(threading.get_ident(), None)
 
     loaders = [threading.Thread(target=load, daemon=True) for _ in range(3)]
     for loader in loaders:
         loader.start()
-    time.sleep(0.5)
+    eventually(lambda: answered[0] >= 3, timeout=30, interval=0.02)  # the writes flow
     try:
-        yield
+        yield lambda since: any(at >= since for at in list(started.values()))
     finally:
         stop.set()
         for loader in loaders:
@@ -358,7 +367,7 @@ def test_a_lost_broker_does_not_flood_the_log_and_sigterm_still_exits_in_time(tm
         service.start()
         offset = service.log_path.stat().st_size
         broker.stop()  # gone with its memory: this test needs nothing of it afterwards
-        time.sleep(LOST_BROKER_WINDOW_S)
+        time.sleep(LOST_BROKER_WINDOW_S)  # the window the log is measured over, not a wait
         with open(service.log_path, "rb") as log:
             log.seek(offset)
             window = log.read().decode(errors="replace").splitlines()
