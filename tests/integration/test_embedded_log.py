@@ -281,8 +281,8 @@ def test_dead_letters_are_kept_too_and_not_written_again_after_a_restart(serve, 
     _place_all(again)  # the worker has read past the restored log (and skipped it)
     eventually(lambda: _matched(again) == PLACEMENTS, timeout=30)
     kept = letters(again)
-    assert [(r.partition, r.offset, r.value, r.headers) for r in kept] == [
-        (r.partition, r.offset, r.value, r.headers) for r in found]
+    assert [(r.partition, r.offset, r.timestamp, r.value, r.headers) for r in kept] == [
+        (r.partition, r.offset, r.timestamp, r.value, r.headers) for r in found]
     assert len(kept) == 1
     headers = dict(kept[0].headers)
     assert (int(headers["mmcache.source.partition"]), int(headers["mmcache.source.offset"])) == source
