@@ -69,9 +69,21 @@ def _mark_content(name: str) -> bytes:
                          "written": datetime.now(UTC).isoformat(timespec="seconds")})
 
 
+def _write_mark(path: Path) -> None:
+    """Write ``RUNNING`` or ``SEED`` whole or not at all (through ``<name>.tmp``): a full
+    disk must not leave an empty mark, which no later start could tell for ours."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(_mark_content(path.name))
+    except OSError:
+        tmp.unlink(missing_ok=True)  # this process just wrote it
+        raise
+    tmp.replace(path)
+
+
 def _is_our_mark(path: Path) -> bool:
     data = _small_json(path)
-    return isinstance(data, dict) and data.get("mmcache") == path.name
+    return isinstance(data, dict) and data.get("mmcache") == path.name.removesuffix(".tmp")
 
 
 def _is_our_marker(path: Path) -> bool:
@@ -95,7 +107,7 @@ def _is_ours(parts: tuple[str, ...], path: Path, is_dir: bool) -> bool:
     if depth == 1:
         if is_dir:
             return name in ("v1", "lost+found")
-        if name in _MARKS:
+        if name.removesuffix(".tmp") in _MARKS:
             return _is_our_mark(path)
         if name in ("mmcache-state.json", "mmcache-state.json.tmp"):
             return _is_our_marker(path)
@@ -155,11 +167,11 @@ class DataDir:
             log.warning("the last worker on %s did not stop cleanly: dropping its local "
                         "table files, to be restored from the changelog", self.root)
             self._remove_ours(self.tables)
-        self.running.write_bytes(_mark_content(self.running.name))
+        _write_mark(self.running)
 
     def mark_seed(self) -> None:
         """Mark a state that ``rebuild`` wrote and no changelog holds yet."""
-        self.seed.write_bytes(_mark_content(self.seed.name))
+        _write_mark(self.seed)
 
     def embedded_cluster(self) -> str | None:
         """The cluster id to start `serve`'s own embedded broker with: the one whose log

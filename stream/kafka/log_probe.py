@@ -17,7 +17,7 @@ from typing import Any
 
 import mode
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.structs import TopicPartition
 
 __all__ = ["PROBE_INTERVAL_S", "EventLogProbe"]
@@ -74,6 +74,10 @@ class EventLogProbe(mode.Service):
                 if self._failing:
                     log.info("event topic end offsets readable again")
                 self._failing = False
+            except ConsumerStoppedError:
+                if self.should_stop:  # the service is stopping: its consumer went first
+                    return
+                raise
             except (KafkaError, TimeoutError, OSError) as exc:
                 if not self._failing:
                     log.warning("cannot read the event topic's end offsets (%s): the view's "

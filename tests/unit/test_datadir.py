@@ -178,7 +178,7 @@ def test_after_a_crash_only_our_table_files_are_dropped(tmp_path):
 @pytest.mark.parametrize("name,content", [
     ("RUNNING", b""), ("RUNNING", b"my notes"), ("RUNNING", b'{"mmcache": "SEED"}'),
     ("SEED", b""), ("mmcache-state.json", b"{}"), ("mmcache-state.json", b"not json"),
-    ("mmcache-state.json.tmp", b"my notes")])
+    ("mmcache-state.json.tmp", b"my notes"), ("RUNNING.tmp", b""), ("SEED.tmp", b"my notes")])
 def test_a_mark_or_marker_that_mmcache_did_not_write_is_refused_and_kept(tmp_path, name, content):
     datadir = ours(tmp_path, new_cluster_id())
     (tmp_path / name).write_bytes(content)
@@ -288,3 +288,29 @@ def test_a_dir_keeping_an_embedded_log_served_with_bootstrap_servers_says_to_dro
                                             "--bootstrap-servers"):
         DataDir(tmp_path).claim(IDENTITY, cluster_id=REAL_CLUSTER)
     assert snapshot(tmp_path) == before
+
+
+def test_a_full_disk_never_leaves_an_empty_running_mark(tmp_path, monkeypatch):
+    """RUNNING is written whole or not at all: a write refused half-way (ENOSPC) leaves
+    nothing (the half-written RUNNING.tmp is removed), so the next start is not refused for
+    a file mmcache wrote; a RUNNING.tmp is ours only when it holds a whole mark."""
+    cluster = new_cluster_id()
+    datadir = ours(tmp_path, cluster)
+    datadir.unlock()
+    real_write = type(tmp_path).write_bytes
+
+    def full_disk(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", full_disk)
+    with pytest.raises(OSError):
+        DataDir(tmp_path).claim(IDENTITY, cluster_id=cluster)
+    monkeypatch.undo()
+    assert not (tmp_path / "RUNNING").exists() and not (tmp_path / "RUNNING.tmp").exists()
+    DataDir(tmp_path).unlock()
+    fresh = DataDir(tmp_path)
+    assert fresh.foreign() == []
+    (tmp_path / "RUNNING.tmp").write_bytes(orjson.dumps({"mmcache": "RUNNING"}))
+    fresh.claim(IDENTITY, cluster_id=cluster)  # a whole mark left in .tmp (a kill) is ours
+    assert orjson.loads((tmp_path / "RUNNING").read_bytes())["mmcache"] == "RUNNING"
