@@ -220,6 +220,10 @@ def check_limits(
         if i is not None:
             raise InvalidField(f"{items_field}[{i}].hash",
                                f"at most {limits.max_hash_chars} characters (max_hash_chars)")
+        i = _first_longer([item.modality for item in items], limits.max_modality_chars)
+        if i is not None:
+            raise InvalidField(f"{items_field}[{i}].modality",
+                               f"at most {limits.max_modality_chars} characters (max_modality_chars)")
 
 
 def check_placement(limits: Limits, endpoints: list[str], view: Collection[str]) -> None:

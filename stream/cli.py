@@ -152,7 +152,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"limits body {limits.max_body_bytes} bytes, {limits.max_endpoints} endpoints, "
         f"{limits.max_placement_endpoints} per placement, {limits.max_total_endpoints} in the view, "
         f"{limits.max_items} items, {limits.max_endpoint_chars} chars a name, "
-        f"{limits.max_hash_chars} a hash",
+        f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
+        f"{limits.max_references} media references, {limits.max_match_pairs} match pairs",
         f"log level {settings.log_level}",
     ]
     if resolved.plugin is not None:
@@ -533,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
           "one view; names the topics")
     _flag(serve, "--data-dir", "where the local state lives", type=Path, metavar="DIR")
     _flag(serve, "--bootstrap-servers", "Kafka cluster to use", default="none: start an embedded "
-          "broker in memory, for development", metavar="HOST:PORT")
+          "broker for development, its log kept in the data dir", metavar="HOST:PORT")
     _flag(serve, "--topic", "event topic", default="<app-id>-events", metavar="NAME")
     _flag(serve, "--partitions", "partitions of the event topic when mmcache creates it", type=int)
     _add_capacity(serve)

@@ -48,6 +48,20 @@ class Limits(BaseSettings):
     max_items: int = Field(1024, ge=1)
     max_endpoint_chars: int = Field(253, ge=1, le=253)
     max_hash_chars: int = Field(256, ge=1)
+    max_modality_chars: int = Field(64, ge=1)
+    # media references (image/video/audio blocks, mm_features, mm_hashes entries) read from
+    # one body, repeats included: extraction stops at the first one over
+    max_references: int = Field(4096, ge=1)
+    # endpoints x request items of one match: bounds its answer (and the work to build it)
+    max_match_pairs: int = Field(16_384, ge=1)
+
+    @model_validator(mode="after")
+    def _references_cover_items(self) -> Limits:
+        if self.max_references < self.max_items:
+            raise ValueError(f"MMCACHE_MAX_REFERENCES ({self.max_references}) must be at least "
+                             f"MMCACHE_MAX_ITEMS ({self.max_items}): each item is one reference; "
+                             "raise it with max_items")
+        return self
 
 
 class KafkaSecurity(BaseSettings):

@@ -12,12 +12,22 @@ import ssl
 from typing import Any
 
 from aiokafka.helpers import create_ssl_context
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from faust.auth import SASLCredentials, SSLCredentials
 from faust.types.auth import CredentialsT
 
 from stream.config import KafkaSecurity
 
-__all__ = ["client_options", "faust_credentials", "ssl_context"]
+__all__ = ["MAX_REQUEST_BYTES", "client_options", "faust_credentials", "record_bytes", "ssl_context"]
+
+#: aiokafka's default ``max_request_size``, which mmcache's event producers keep: a record
+#: over it is refused by the producer every time (``MessageSizeTooLargeError``).
+MAX_REQUEST_BYTES = 1_048_576
+
+
+def record_bytes(key: bytes | None, value: bytes) -> int:
+    """A record's size as the producer checks it against ``MAX_REQUEST_BYTES``."""
+    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []))
 
 
 def ssl_context(security: KafkaSecurity) -> ssl.SSLContext | None:

@@ -129,3 +129,98 @@ def test_writes_to_a_frozen_broker_get_503_within_the_produce_timeout(tmp_path):
         if service.process is not None:
             service.stop(signal.SIGKILL)
         broker.stop()
+
+
+# Issue 15, finding 3: no token in any log line or answer, whatever a client sends; an
+# event the log could never take is refused naming the limit, never a 503.
+
+MALFORMED_TOKEN = "it-leak-" + uuid.uuid4().hex
+
+
+def malformed_requests(token: bytes) -> dict[str, bytes]:
+    bearer = b"Authorization: Bearer " + token
+    return {
+        "authorization over 8,190 bytes": b"GET /v1/state HTTP/1.1\r\nHost: x\r\n" + bearer + b"A" * 9000 + b"\r\n\r\n",
+        # at the limit the header is read: a wrong token, 401
+        "authorization at 8,190 bytes": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + bearer + b"A" * (8190 - len(bearer)) + b"\r\n\r\n",
+        "control character in authorization": b"POST /v1/placements HTTP/1.1\r\nHost: x\r\n" + bearer + b"\x01\r\n\r\n",
+        "NUL in authorization": b"GET /v1/state HTTP/1.1\r\nHost: x\r\n" + bearer + b"\x00\r\n\r\n",
+        "folded authorization": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n " + token + b"\r\n\r\n",
+        "header name with a control character": b"GET / HTTP/1.1\r\nHost: x\r\nAuth\x01orization: Bearer " + token + b"\r\n\r\n",
+        "header line without a colon": b"GET / HTTP/1.1\r\nHost: x\r\nBearer " + token + b"\r\n\r\n",
+        "another header too long after it": b"GET / HTTP/1.1\r\nHost: x\r\n" + bearer + b"\r\nX-Pad: " + b"p" * 9000 + b"\r\n\r\n",
+        "bad request line": b"GET /v1/state?" + token + b" HTTP/1.1 extra\r\nHost: x\r\n\r\n",
+        "bad method": b"G\x01T /" + token + b" HTTP/1.1\r\n\r\n",
+        "URL too long": b"GET /" + token + b"x" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "bad version": b"GET / HTTP/9." + token + b"\r\n\r\n",
+        "bad content length": b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Length: " + token + b"\r\n\r\n",
+        "bad chunk size": b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + token + b"\r\n",
+        "too many headers": b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: Bearer %s\r\n" % (i, token) for i in range(200)) + b"\r\n",
+        "pipelined after a good one": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /v1/state HTTP/1.1\r\nHost: x\r\n" + bearer + b"\x7f\r\n\r\n",
+        "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + token,
+    }
+
+
+def exchange(port: int, raw: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_no_malformed_request_puts_a_token_in_the_log_or_the_answer(bootstrap, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{MALFORMED_TOKEN}\n")
+    service = Service(bootstrap, tmp_path / "data", f"it-{uuid.uuid4().hex[:10]}",
+                      ["--auth-token-file", str(tokens), "--log-level", "debug"], {})
+    try:
+        service.start()
+        token = MALFORMED_TOKEN.encode()
+        answers = {name: exchange(service.port, raw) for name, raw in malformed_requests(token).items()}
+        for name, answer in answers.items():
+            assert token not in answer, name
+            head, _, body = answer.rpartition(b"HTTP/1.")[2].partition(b"\r\n\r\n")
+            expected = (401, "unauthorized") if "at 8,190" in name else (400, "bad_request")
+            assert head.startswith((b"0 %d" % expected[0], b"1 %d" % expected[0])), (name, answer[:200])
+            assert b"Content-Type: application/json" in head, (name, answer[:200])
+            assert json.loads(body)["error"]["code"] == expected[1], name
+        # a valid token still works, and a wrong one is a 401 without it
+        assert request(service.url + "/v1/state?limit=0", token=MALFORMED_TOKEN)[0] == 200
+        assert request(service.url + "/v1/state?limit=0", token="x" + MALFORMED_TOKEN)[:2] == (
+            401, {"error": {"code": "unauthorized",
+                            "message": "missing or invalid bearer token: send 'Authorization: Bearer <token>'"}})
+        eventually(lambda: "refused a malformed HTTP request" in service.log_path.read_text())
+    finally:
+        service.stop()
+    log = service.log_path.read_text(errors="replace")
+    assert MALFORMED_TOKEN not in log
+    assert "ERROR aiohttp.server" not in log and "Traceback" not in log
+    assert "refused a malformed HTTP request from 127.0.0.1 with 400: LineTooLong" in log
+
+
+def test_an_event_over_the_log_record_size_is_413_naming_it_not_503(make_service):
+    service = make_service()  # the default limits
+    items = [{"hash": f"{i:064x}", "size": 1, "modality": "image"} for i in range(8)]
+    # CONTRACT's bounds hold, the event would not fit: a 1 MiB request_id, and a sync of
+    # 4,096 names of 253 characters (1,048,618 bytes)
+    big_id = {"endpoints": ["ns/big"], "request_id": "r" * (1 << 20), "items": items}
+    live = [f"{i:04d}" + "n" * 249 for i in range(4096)]
+    for path, body in (("/v1/placements", big_id), ("/v1/endpoint-events", {"type": "sync", "live": live})):
+        status, answer = service.post(path, body)
+        assert (status, answer["error"]["code"]) == (413, "event_too_large"), answer
+        assert "(the producer's max_request_size)" in answer["error"]["message"]
+    # 2,000-character modalities (the finding) are refused by their own bound first
+    status, answer = service.post("/v1/placements", {"endpoints": ["ns/big"], "items": [
+        {"hash": f"{i:064x}", "size": 1, "modality": "m" * 2000} for i in range(1024)]})
+    assert status == 400
+    assert answer["error"]["message"] == "items[0].modality: at most 64 characters (max_modality_chars)"
+    # the largest event within every limit is written: 1,024 items of 256-character
+    # hashes and 64-character modalities
+    widest = {"endpoints": ["ns/big"], "items": [
+        {"hash": f"{i:0256x}", "size": 1, "modality": "m" * 64} for i in range(1024)]}
+    assert service.post("/v1/placements", widest) == (202, {"events": 1})
+    eventually(lambda: service.get("/v1/state")[1]["endpoints"] == [{"endpoint": "ns/big", "items": 1024, "weight": 1024}])

@@ -85,3 +85,18 @@ def test_whatever_is_read_is_what_pydantic_reads(query, ascii_only):
     read = read_match(raw, LIMITS)
     if read is not None:
         assert read == validated(raw)
+
+
+def test_a_modality_over_max_modality_chars_is_refused_naming_the_limit():
+    from stream.core.items import Item
+    items = [Item("h1", 1, "image"), Item("h2", 1, "m" * 65)]
+    with pytest.raises(InvalidField) as info:
+        check_limits(LIMITS, items=items, items_field="body items")
+    assert str(info.value) == "body items[1].modality: at most 64 characters (max_modality_chars)"
+    check_limits(Limits(max_modality_chars=65), items=items)
+
+
+def test_max_references_may_not_be_below_max_items():
+    with pytest.raises(ValidationError, match="MMCACHE_MAX_REFERENCES .* must be at least MMCACHE_MAX_ITEMS"):
+        Limits(max_items=5000)
+    assert Limits(max_items=5000, max_references=5000).max_references == 5000

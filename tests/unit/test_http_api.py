@@ -9,10 +9,12 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from stream.bodies import checked_match_query
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
+from stream.core.render import render_match
 from stream.http_api import ApiError, HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
@@ -80,7 +82,7 @@ def feature(**fields) -> bytes:
 def test_bad_match_bodies_get_the_pydantic_paths_error(raw):
     [(status, answer)] = requests([("POST", "/v1/match", raw)])
     with pytest.raises(ApiError) as refused:
-        make_api()._match_query(raw)
+        checked_match_query(raw, DEFAULT_LIMITS)
     assert (status, answer) == (400, error(refused.value.code, refused.value.message))
 
 
@@ -205,3 +207,272 @@ def test_answers_are_counted_by_route_and_code_and_readiness_is_a_gauge():
     assert 'mmcache_http_requests_total{code="400",route="/v1/match"} 1.0' in text
     assert 'mmcache_http_requests_total{code="404",route="unmatched"} 1.0' in text
     assert "mmcache_ready 1.0" in text
+
+
+# Issue 15, findings 2 and 3: no request holds the loop, no event the log cannot take is sent.
+
+def wide_api(endpoints: int, held: dict[str, list[Item]], limits: Limits = DEFAULT_LIMITS) -> HttpApi:
+    state = CacheState(Capacity.from_params(None, None))
+    for offset, (name, items) in enumerate(held.items()):
+        state.apply(ItemsPlaced(endpoint=name, items=items), Position(0, offset))
+    return HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0), Metrics(state, dict),
+                   limits, lambda: True)
+
+
+def answers_of(api: HttpApi, calls: list[tuple[str, str, bytes]]) -> list[tuple[int, bytes]]:
+    async def run() -> list[tuple[int, bytes]]:
+        async with TestClient(TestServer(api.application())) as client:
+            out = []
+            for method, path, data in calls:
+                response = await client.request(method, path, data=data)
+                out.append((response.status, await response.read()))
+            return out
+
+    return asyncio.run(run())
+
+
+def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer():
+    import random
+
+    rng = random.Random(7)
+    items = [Item(f"h{i}", rng.randint(1, 9), rng.choice(["image", "video", "a\"b"])) for i in range(64)]
+    names = [f"ns/pod-{i}" for i in range(200)] + ['ns/"quoted"', "ns/back\\slash", "ns/ünï"]
+    held = {name: rng.sample(items, rng.randint(1, 40)) for name in names if rng.random() < 0.7}
+    api = wide_api(len(names), held)
+    asked = names + ["ns/unknown", names[3], names[5]]  # unknown and repeated names too
+    rng.shuffle(asked)
+    body = {"endpoints": asked, "body": {"generate": {"features": {"mm_hashes": {"image": [i.hash for i in items]}}}}}
+    [(status, answer)] = answers_of(api, [("POST", "/v1/match", orjson.dumps(body))])
+    request_items = [Item(i.hash, 1, "image") for i in items]
+    assert status == 200 and len(asked) * len(items) > 1024  # the sliced path
+    assert answer == render_match(request_items, *api.state.hits(request_items, asked))
+    assert orjson.loads(answer)["endpoints"][0]["endpoint"] == asked[0]
+
+
+def test_a_match_over_max_match_pairs_is_refused_before_matching():
+    body = {"endpoints": [f"e{i}" for i in range(5)],
+            "body": {"generate": {"features": {"mm_hashes": {"image": ["a", "b", "c"]}}}}}
+    [(status, answer)] = requests([("POST", "/v1/match", orjson.dumps(body))], Limits(max_match_pairs=14))
+    assert (status, answer) == (400, error("invalid_request", "endpoints x body items: 5 x 3 pairs, at most "
+                                           "14 (max_match_pairs): name fewer endpoints"))
+    [(status, _)] = requests([("POST", "/v1/match", orjson.dumps(body))], Limits(max_match_pairs=15))
+    assert status == 200
+
+
+def test_the_default_limits_bound_the_widest_answer():
+    limits = Limits()
+    assert limits.max_match_pairs == 16_384  # 16 endpoints x 1,024 items, or 4,096 x 4: ~2 MB
+    assert limits.max_references == 4 * limits.max_items and limits.max_modality_chars == 64
+
+
+def test_a_modality_over_its_bound_is_refused_on_match_and_placement():
+    feature = {"hash": "h1", "modality": "m" * 65}
+    answers = requests([
+        ("POST", "/v1/match", orjson.dumps({"endpoints": ["ns/a"], "body": {"tokenized": {"prompts": [{"mm_features": [feature]}]}}})),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "items": [{**feature, "size": 1}]})),
+    ])
+    assert [a[1]["error"]["message"] for a in answers] == [
+        "body items[0].modality: at most 64 characters (max_modality_chars)",
+        "items[0].modality: at most 64 characters (max_modality_chars)",
+    ]
+
+
+BODIES = [
+    orjson.dumps({"endpoints": ["ns/a", "ns/b"], "body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"u{i}"}} for i in range(20)]}]}}),
+    orjson.dumps({"endpoints": ["ns/a"], "body": {"tokenized": {"prompts": [{"mm_features": [
+        {"hash": "h1", "modality": "image", "length": 3}]}]}}}),
+    orjson.dumps({"endpoints": ["ns/a"], "body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"u{i}"}} for i in range(1100)]}]}}),
+    orjson.dumps({"endpoints": ["ns/a"], "body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "same"}}] * 5000}]}}),
+    b"{not json",
+    b'{"endpoints": ["a\\u0001"], "body": {}}',
+    orjson.dumps({"endpoints": ["ns/a"], "body": {"x": 1}, "extra": 1}),
+]
+
+
+def test_a_body_read_in_the_child_process_gets_the_answer_it_gets_inline():
+    from stream.body_reader import BodyReader
+
+    calls = [("POST", "/v1/match", raw) for raw in BODIES] + [
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "items": [{"hash": "h", "size": 0, "modality": "image"}]})),
+        ("POST", "/v1/endpoint-events", orjson.dumps({"type": "sync", "live": ["ns/a", 3]})),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["x" * 254], "body": {}})),
+    ]
+    inline = answers_of(make_api(), calls)
+    api = make_api()
+    api.bodies = BodyReader(api.limits, inline_bytes=0)  # every body goes to the child
+    assert answers_of(api, calls) == inline
+    assert [status for status, _ in inline] == [200, 200, 400, 400, 400, 400, 400, 400, 400, 400]
+
+
+def test_a_body_whose_child_died_is_read_by_a_new_one_and_a_503_only_if_that_dies_too(monkeypatch):
+    from stream import body_reader
+    from stream.bodies import match_query
+
+    async def run() -> tuple[list, list, list]:
+        reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0)
+        try:
+            first = await reader.read(match_query, [BODIES[1]])
+            old = reader._child
+            old.process.kill()
+            again = await reader.read(match_query, [BODIES[1][:20], BODIES[1][20:]])
+            assert reader._child is not old and old.process.wait(5) is not None
+
+            async def ended(self, name, chunks):
+                raise body_reader._ChildEnded()
+
+            monkeypatch.setattr(body_reader._Child, "ask", ended)
+            refused = []
+            try:
+                await reader.read(match_query, [BODIES[1]])
+            except ApiError as exc:
+                refused.append((exc.status, exc.code))
+            return first.items, again.items, refused
+        finally:
+            await reader.close()
+
+    first, again, refused = asyncio.run(run())
+    assert first == again == [Item("h1", 3, "image")]
+    assert refused == [(503, "body_reader_unavailable")]
+
+
+def test_an_event_the_log_could_never_take_is_a_413_naming_the_limit_and_is_never_sent():
+    api = make_api()
+    sent = []
+
+    async def publish(events):
+        sent.append(events)
+        return len(events)
+
+    api.publisher.publish = publish
+    api.publisher.publish_sync = publish
+    live = [f"{i:04d}" + "n" * 249 for i in range(4096)]  # within every limit: 1,048,618 bytes
+    answers = requests_with(api, [
+        ("POST", "/v1/endpoint-events", orjson.dumps({"type": "sync", "live": live})),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "request_id": "r" * (1 << 20),
+                                                 "items": [{"hash": "h", "size": 1, "modality": "image"}]})),
+        ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "request_id": "r" * 1000,
+                                                 "items": [{"hash": "h", "size": 1, "modality": "image"}]})),
+    ])
+    assert [status for status, _ in answers] == [413, 413, 202]
+    for _, answer in answers[:2]:
+        assert answer["error"]["code"] == "event_too_large"
+        assert "over the 1048576 bytes the event log takes (the producer's max_request_size)" in answer["error"]["message"]
+    assert len(sent) == 1
+
+
+def requests_with(api: HttpApi, calls: list[tuple[str, str, bytes]]) -> list[tuple[int, object]]:
+    return [(status, orjson.loads(raw) if raw else raw) for status, raw in answers_of(api, calls)]
+
+
+def test_the_record_size_check_is_the_producers_own():
+    """``record_bytes`` against ``MAX_REQUEST_BYTES`` is what the real producer refuses
+    (its default ``max_request_size``, which mmcache's producers keep)."""
+    import inspect
+
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    from stream.kafka.clients import MAX_REQUEST_BYTES, record_bytes
+
+    assert inspect.signature(AIOKafkaProducer).parameters["max_request_size"].default == MAX_REQUEST_BYTES
+
+    async def taken(value: bytes) -> bool:
+        producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+        try:
+            producer._serialize(b"key", value, [])  # the check send() makes first
+        except MessageSizeTooLargeError:
+            return False
+        return True
+
+    for size in (MAX_REQUEST_BYTES - 200, MAX_REQUEST_BYTES - 90, MAX_REQUEST_BYTES - 89, MAX_REQUEST_BYTES):
+        value = b"x" * size
+        assert (record_bytes(b"key", value) <= MAX_REQUEST_BYTES) == asyncio.run(taken(value)), size
+
+
+TOKEN = "tok-" + "5ecret" * 4
+MALFORMED = {
+    "authorization over 8,190 bytes": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"A" * 9000 + b"\r\n\r\n",
+    "control character in authorization": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\x01\r\n\r\n",
+    "NUL in authorization": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\x00\r\n\r\n",
+    "folded authorization": b"GET /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n " + TOKEN.encode() + b"\r\n\r\n",
+    "header name with a control character": b"GET / HTTP/1.1\r\nHost: x\r\nAuth\x01orization: Bearer " + TOKEN.encode() + b"\r\n\r\n",
+    "header line without a colon": b"GET / HTTP/1.1\r\nHost: x\r\nBearer " + TOKEN.encode() + b"\r\n\r\n",
+    "another header over 8,190 bytes": b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nX-Pad: " + b"p" * 9000 + b"\r\n\r\n",
+    "bad request line": b"GET /v1/state?" + TOKEN.encode() + b" HTTP/1.1 extra\r\nHost: x\r\n\r\n",
+    "bad method": b"G\x01T /" + TOKEN.encode() + b" HTTP/1.1\r\n\r\n",
+    "URL over 8,190 bytes": b"GET /" + TOKEN.encode() + b"x" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "bad version": b"GET / HTTP/9." + TOKEN.encode() + b"\r\n\r\n",
+    "bad content length": b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Length: " + TOKEN.encode() + b"\r\n\r\n",
+    "bad chunk size": b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + TOKEN.encode() + b"\r\n",
+    "too many headers": b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: Bearer %s\r\n" % (i, TOKEN.encode()) for i in range(200)) + b"\r\n",
+    "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + TOKEN.encode(),
+}
+
+
+def raw_exchange(port: int, raw: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_request_aiohttp_cannot_parse_is_answered_in_json_and_logged_without_what_it_held(caplog):
+    import logging
+
+    api = make_api()
+
+    async def run() -> dict[str, bytes]:
+        server = TestServer(api.application(), host="127.0.0.1")
+        await server.start_server()
+        try:
+            loop = asyncio.get_running_loop()
+            return {name: await loop.run_in_executor(None, raw_exchange, server.port, raw)
+                    for name, raw in MALFORMED.items()}
+        finally:
+            await server.close()
+
+    with caplog.at_level(logging.DEBUG):
+        answers = asyncio.run(run())
+    for name, answer in answers.items():
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400") and b"Content-Type: application/json" in head, (name, answer[:300])
+        assert TOKEN.encode() not in answer and b"Bearer" not in answer, name
+        assert orjson.loads(body)["error"]["code"] == "bad_request", name
+    logged = "\n".join(caplog.text.splitlines() + [r.getMessage() for r in caplog.records])
+    assert TOKEN not in logged and "Bearer" not in logged
+    assert "refused a malformed HTTP request from 127.0.0.1 with 400: LineTooLong" in logged
+    assert not [r for r in caplog.records if r.name == "aiohttp.server" or r.exc_info]
+
+
+def test_other_aiohttp_applications_keep_aiohttps_own_answer():
+    from aiohttp import web
+
+    make_api().application()  # installs the guard
+
+    async def run() -> bytes:
+        server = TestServer(web.Application(), host="127.0.0.1")
+        await server.start_server()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, raw_exchange, server.port, MALFORMED["bad version"])
+        finally:
+            await server.close()
+
+    assert b"Content-Type: text/plain" in asyncio.run(run())
+
+
+def test_the_guard_refuses_an_aiohttp_it_was_not_written_for(monkeypatch):
+    import aiohttp
+
+    from stream import aiohttp_guard
+
+    monkeypatch.setattr(aiohttp, "__version__", "4.0.0")
+    with pytest.raises(RuntimeError, match="aiohttp >=3.9,<4; installed: aiohttp 4.0.0"):
+        aiohttp_guard.install()

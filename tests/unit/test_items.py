@@ -480,3 +480,61 @@ def test_a_chat_block_type_that_is_not_a_string_is_an_invalid_field_not_a_crash(
         extract_items(body)
     assert err.value.field == "body.chat_completions.messages[0].content[0].type"
     assert "must be a string" in str(err.value)
+
+
+# -- limits: reading stops at the first item or reference over them ---------------------
+
+
+def test_reading_stops_at_the_item_past_max_items():
+    # a malformed block after the limit is never reached: the error is the limit's
+    blocks = [image(f"u{i}") for i in range(5)] + [{"type": "image_url", "image_url": 7}]
+    with pytest.raises(InvalidField) as info:
+        extract_items(chat(*blocks), max_items=3)
+    assert (info.value.field, info.value.message) == ("body items", "at most 3 items (max_items)")
+    assert len(extract_items(chat(*blocks[:3]), max_items=3)) == 3
+
+
+def test_the_item_limit_counts_unique_items_and_names_the_given_field():
+    body = chat(*[image("same") for _ in range(10)], image("other"))
+    assert len(extract_items(body, max_items=2)) == 2
+    with pytest.raises(InvalidField) as info:
+        extract_items(tokenized(*[{"hash": f"h{i}"} for i in range(3)]), max_items=2, items_field="items")
+    assert info.value.field == "items"
+
+
+def test_repeated_references_count_against_max_references():
+    # 300,000 blocks repeating one URL are one item, but each is read: the reference
+    # limit stops them (repeats are counted, not hashed)
+    body = chat(*[image("one") for _ in range(5)], {"type": "image_url", "image_url": 7})
+    with pytest.raises(InvalidField) as info:
+        extract_items(body, max_items=3, max_references=4)
+    assert info.value.field == "body"
+    assert info.value.message.endswith("(max_references)") and "at most 4 media references" in info.value.message
+    assert extract_items(chat(*[image("one")] * 4), max_references=4) == [Item(sha("image_url\x00one"), 1, "image")]
+
+
+@pytest.mark.parametrize("body", [
+    tokenized(*[{"hash": "h"}] * 3),
+    {"generate": {"features": {"mm_hashes": {"image": ["h", "h"], "video": ["h"]}}}},
+    chat(image("u"), {"type": "input_audio", "input_audio": {"data": "d", "format": "wav"}},
+         {"type": "video_url", "video_url": {"url": "u"}}),
+    {"tokenized": {"prompts": [{"mm_features": [{"hash": ""}, {"hash": "h"}]}]},
+     "chat_completions": {"messages": [{"role": "user", "content": [image("u")]}]}},
+])
+def test_every_feature_hash_and_media_block_is_a_reference_over_all_sources(body):
+    assert extract_items(body, max_references=3) is not None
+    with pytest.raises(InvalidField, match="max_references"):
+        extract_items(body, max_references=2)
+
+
+def test_text_blocks_are_not_references():
+    body = chat(*[{"type": "text", "text": "t"}] * 10, image("u"))
+    assert len(extract_items(body, max_references=1)) == 1
+
+
+def test_a_repeated_reference_keeps_its_first_place_and_hash():
+    audio = {"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}
+    body = chat(image("b"), audio, image("a"), image("b"), audio, {"type": "image_url", "image_url": "a"})
+    assert extract_items(body) == [Item(sha("image_url\x00b"), 1, "image"),
+                                   Item(sha("input_audio\x00wav:QUJD"), 1, "audio"),
+                                   Item(sha("image_url\x00a"), 1, "image")]
