@@ -174,6 +174,8 @@ def test_the_documented_error_messages_of_the_http_page_are_real():
         "items[0].size: Input should be a valid integer":
             {"endpoints": ["a"], "items": [{"hash": "h", "size": "1", "modality": "image"}]},
         "items: at most 1024 items (max_items)": {"endpoints": ["a"], "items": items},
+        "items[0].modality: at most 64 characters (max_modality_chars)":
+            {"endpoints": ["a"], "items": [{"hash": "h", "size": 1, "modality": "m" * 65}]},
     }
     documented = [b for b in json_blocks("http-api.md") if set(b) == {"error"}]
     assert {b["error"]["message"] for b in documented} == set(produced)
