@@ -200,20 +200,21 @@ def owner_generation(app: faust.App) -> int:
     return generation_of(app.consumer._thread._ensure_consumer())  # type: ignore[attr-defined]
 
 
-async def confirm_owner(app: faust.App, generation: int, tp: TP, *, ask: bool = True) -> None:
+async def confirm_owner(app: faust.App, generation: int, tp: TP, *, ask: bool = True,
+                        strict: bool = False) -> None:
     """Return once the group coordinator confirmed that this worker is still a member of
     ``generation`` (the one its batch in flight was handed over in) and ``tp`` is still
     assigned to it; raise ``LostMembership`` if not. Called by the batch handler right
     before it writes a batch's changelog records: a zombie owner stops instead of writing
     after the new owner (``stream.kafka.coordinator``). aiokafka's consumer lives on
     Faust's consumer thread, so the question is asked there; ``ask=False`` checks only
-    the assignment, which needs no round trip."""
+    the assignment, which needs no round trip; ``strict`` takes no answer as a no."""
     if tp not in app.consumer.assignment():
         raise LostMembership(f"{tp.topic}[{tp.partition}] is no longer assigned to this worker")
     if not ask:
         return
     thread = app.consumer._thread  # type: ignore[attr-defined]
-    await thread.call_thread(confirm_membership, thread._ensure_consumer(), generation)
+    await thread.call_thread(confirm_membership, thread._ensure_consumer(), generation, strict)
 
 
 async def seek(consumer: Any, tp: TP, offset: int) -> None:

@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -270,7 +270,8 @@ class TableMirror:
             pending = self._pending[partition] = _PartitionRecords(self._producer())
         pending.add(effect_records(effects, applied_offset))
 
-    async def flush(self, keep_trying: Callable[[], bool] = lambda: True) -> bool:
+    async def flush(self, keep_trying: Callable[[], bool] = lambda: True,
+                    still_owner: Callable[[], Awaitable[None]] | None = None) -> bool:
         """Send the pending records to the changelog and wait for the broker's acks, then
         write them to the files with the changelog offset they reached, in one batch a
         partition; return whether the files hold them.
@@ -292,15 +293,22 @@ class TableMirror:
         reached: dict[int, int] = {}
         for partition, last, ack in sent:
             metadata = await ack  # of the batch's first record
-            # the file records the changelog offset it holds everything up to: records of
-            # another writer between its offset and these (a zombie owner's successor's)
-            # must not be skipped by it, so nothing of the batch goes to the file then
-            # (the changelog's readers skip the batch: stream.store.ChangelogGate)
+            # The file records the changelog offset it holds everything up to. Records of
+            # another writer between its offset and this batch are either its successor's,
+            # when this worker is a zombie: they must not be skipped by the file, so nothing
+            # of the batch goes to it (``still_owner`` raises LostMembership; the changelog's
+            # readers skip the batch, stream.store.ChangelogGate); or a zombie's, written
+            # after this owner's, which every reader skips: the owner goes on.
             after = reached.get(partition, self._persisted(partition))
             if after is not None and metadata.offset != after + 1:
-                raise LostMembership(f"changelog partition {partition}: this batch landed at "
-                                     f"offset {metadata.offset}, the file holds it up to {after}: "
-                                     "another worker wrote the partition meanwhile")
+                if still_owner is None:
+                    raise LostMembership(f"changelog partition {partition}: this batch landed "
+                                         f"at offset {metadata.offset}, the file holds it up to "
+                                         f"{after}: another worker wrote the partition meanwhile")
+                log.warning("changelog partition %d: records of another writer at offsets %d-%d, "
+                            "before this batch's; checking that this worker still owns it",
+                            partition, after + 1, metadata.offset - 1)
+                await still_owner()
             reached[partition] = max(metadata.offset + last, reached.get(partition, -1))
         for partition, records in pending.items():
             if partition in reached:

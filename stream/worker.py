@@ -253,7 +253,10 @@ def build_worker(
         await confirm_owner(app, generation, tp)
         # returns once the changelog and the files hold the batch: then it is acked; a file
         # that refuses it (a full disk) is retried meanwhile, until the worker stops
-        if not await mirror.flush(lambda: not app.should_stop):
+        # (a batch that lands after another writer's records is stored only if this worker
+        # still owns the partition: the other was a zombie; else it stops, storing nothing)
+        if not await mirror.flush(lambda: not app.should_stop,
+                                  lambda: confirm_owner(app, generation, tp, strict=True)):
             raise StateNotStored(f"partition {partition}: stopped before its batch could be "
                                  "stored; not acknowledged, the changelog holds it")
 

@@ -86,12 +86,14 @@ def check_version() -> None:
         raise RuntimeError(f"stream.kafka.coordinator needs aiokafka=={AIOKAFKA_VERSION}")
 
 
-async def confirm_membership(consumer: Any, generation: int) -> None:
+async def confirm_membership(consumer: Any, generation: int, strict: bool = False) -> None:
     """Raise ``LostMembership`` when ``consumer`` (an ``AIOKafkaConsumer``) is no longer a
     member of ``generation``, the one its batch in flight came in: it has been reset or
     has rejoined since, or the coordinator answers that the member or its generation is
     gone (the module's docstring lists the answers). Any other answer, or none within
-    ``ANSWER_S``, lets the write go on. To be run on the loop the consumer runs on."""
+    ``ANSWER_S``, lets the write go on, unless ``strict`` (asked when there is evidence of
+    another writer already: then only a confirmation lets it go on). To be run on the
+    loop the consumer runs on."""
     coordinator = consumer._coordinator
     if generation_of(consumer) != generation:
         raise LostMembership(f"the group coordinator no longer counts this worker in "
@@ -101,9 +103,15 @@ async def confirm_membership(consumer: Any, generation: int) -> None:
     try:
         response = await asyncio.wait_for(coordinator._send_req(request), ANSWER_S)
     except (errors.KafkaError, TimeoutError) as exc:
+        if strict:
+            raise LostMembership(f"membership in generation {generation} not confirmed: "
+                                 f"{type(exc).__name__}") from None
         log.debug("ownership not confirmed (%r): the write goes on", exc)
         return
     lost = _LOST.get(response.error_code)
     if lost is not None:
         raise LostMembership(f"the group coordinator no longer counts this worker "
                              f"(generation {generation}): {lost}")
+    if strict and response.error_code != 0:
+        raise LostMembership(f"membership in generation {generation} not confirmed: "
+                             f"{errors.for_code(response.error_code).__name__}")

@@ -24,7 +24,7 @@ from rocksdict import Options, Rdict
 
 from stream.core.cache import Effects
 from stream.kafka.coordinator import LostMembership
-from stream.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied
+from stream.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, encode_applied
 from stream.table_mirror import TableMirror
 
 pytestmark = pytest.mark.integration
@@ -71,8 +71,12 @@ def test_a_batch_landing_after_another_writers_records_is_not_stored_in_the_file
             # another worker (the zombie's successor) writes the partition meanwhile
             await other.send_and_wait(changelog, b"\x01theirs", key=b"\x01theirs", partition=0)
             mirror.write(0, Effects(), 2)
+
+            async def not_owner() -> None:
+                raise LostMembership("the group coordinator no longer counts this worker")
+
             try:
-                await mirror.flush()
+                await mirror.flush(still_owner=not_owner)
             except LostMembership as exc:
                 return str(exc), int(store._db_for_partition(0)[FAUST_OFFSET_KEY]), \
                     store._db_for_partition(0).get(APPLIED_KEY)
@@ -87,6 +91,50 @@ def test_a_batch_landing_after_another_writers_records_is_not_stored_in_the_file
     finally:
         for db in store._dbs.values():
             db.close()
-    assert reason is not None and "another worker wrote the partition" in reason, (reason, offset)
+    assert reason == "the group coordinator no longer counts this worker", (reason, offset)
     assert offset == 1  # still where its own records end: a recovery reads the other's record
     assert decode_applied(applied) == 1  # nothing of the batch in the file
+
+
+def test_the_owner_goes_on_past_a_zombies_records(bootstrap, tmp_path):
+    """Records a zombie wrote after the owner's (skipped by every reader) lie between the
+    owner's file offset and its next batch: the owner, confirmed, stores the batch."""
+    changelog = f"writer-{uuid.uuid4().hex[:10]}-changelog"
+    store = _Store(tmp_path)
+    asked: list[str] = []
+
+    async def run() -> int:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        await admin.create_topics([NewTopic(changelog, 1, 1)])
+        await admin.close()
+        mine = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        zombie = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await mine.start()
+        await zombie.start()
+        try:
+            app = SimpleNamespace(producer=SimpleNamespace(_ensure_producer=lambda: mine))
+            table = SimpleNamespace(data=store, changelog_topic=SimpleNamespace(get_topic_name=lambda: changelog))
+            mirror = TableMirror(app, table)  # type: ignore[arg-type]
+            mirror.write(0, Effects(), 5)
+            assert await mirror.flush()  # offsets 0: the owner's applied record
+            await zombie.send_and_wait(changelog, encode_applied(3), key=APPLIED_KEY, partition=0)
+
+            async def owner() -> None:
+                asked.append("still the owner")
+
+            mirror.write(0, Effects(), 6)
+            assert await mirror.flush(still_owner=owner)
+            return int(store._db_for_partition(0)[FAUST_OFFSET_KEY])
+        finally:
+            await mine.stop()
+            await zombie.stop()
+
+    try:
+        offset = asyncio.run(asyncio.wait_for(run(), 60))
+        applied = decode_applied(store._db_for_partition(0)[APPLIED_KEY])
+    finally:
+        for db in store._dbs.values():
+            db.close()
+    assert asked == ["still the owner"]
+    assert (offset, applied) == (2, 6)

@@ -230,6 +230,9 @@ def test_no_answer_in_time_lets_the_batch_be_written(tmp_path):
                 started = time.monotonic()
                 assert await lost(member.as_consumer(), member.generation) is None
                 took = time.monotonic() - started
+                # asked strictly (another writer seen already), no answer is a no
+                with pytest.raises(LostMembership, match="not confirmed"):
+                    await confirm_membership(member.as_consumer(), member.generation, strict=True)
             finally:
                 broker.thaw()
             assert ANSWER_S <= took < ANSWER_S + 5, took
