@@ -49,12 +49,14 @@ the handler raises ``LostMembership``, which stops the worker like any handler f
 (rule 3): nothing of the batch is written or acknowledged, and its supervisor starts it
 again from its files (dropping the batch and rejoining in place left the view behind
 after the rejoin in one run of the zombie test, so the restart, which was shown to
-converge, is the rule). What no client-side rule closes is the producer resending, after the resume,
-a batch sent just before the freeze: readers of the changelog skip such events
-(``stream.store.ChangelogGate``). The embedded broker supports neither idempotent nor
-transactional producers, and it answers a stale generation's heartbeat with
-RebalanceInProgress while the group is forming, so on it the check catches a member only
-once it has been evicted. See ``tests/integration/test_zombie_owner.py``.
+converge, is the rule). What the check cannot stop (a freeze between the coordinator's
+answer and the write, or the producer resending a batch sent just before the freeze) lands
+after the successor's records: readers of the changelog skip such events
+(``stream.store.ChangelogGate``), and the zombie, seeing its batch land after another
+writer's records, stops without storing it in its files (``stream.table_mirror``). The
+embedded broker supports neither idempotent nor transactional producers; the answers the
+check takes as lost are in ``stream.kafka.coordinator``. See
+``tests/integration/test_zombie_owner.py``.
 """
 
 from __future__ import annotations
