@@ -126,15 +126,25 @@ class Metrics:
     def record_match(self, items: Sequence[Item], found: Mapping[str, list[Item]]) -> None:
         """Count a match request's queried items and every (endpoint, item) hit;
         ``found`` maps the endpoints that hold items to those items (``CacheState.hits``)."""
-        if not items:
-            return
-        self._queries.update(map(_MODALITY, items))
+        if items:
+            self.record_queries(items, self.count_hits(found))
+
+    def count_hits(self, found: Mapping[str, list[Item]]) -> int:
+        """Count every (endpoint, item) hit of ``found`` (all of a match's, or a slice of
+        them: a wide match counts in slices, the loop turning between); return the best
+        endpoint's matched weight among them."""
         hits = self._hits
         best = 0
         for endpoint, matched in found.items():
             best = max(best, sum(map(_SIZE, matched)))
             for item in matched:
                 hits[endpoint, item.modality] += 1
+        return best
+
+    def record_queries(self, items: Sequence[Item], best: int) -> None:
+        """Count a match request's queried items and observe its best score, given the
+        best matched weight over all its endpoints (``count_hits``)."""
+        self._queries.update(map(_MODALITY, items))
         self.hit_ratio.observe(best / sum(map(_SIZE, items)))
 
     def collect(self) -> Iterator[Metric]:

@@ -231,8 +231,12 @@ def answers_of(api: HttpApi, calls: list[tuple[str, str, bytes]]) -> list[tuple[
     return asyncio.run(run())
 
 
-def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer():
+def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer(monkeypatch):
     import random
+
+    import stream.http_api
+
+    monkeypatch.setattr(stream.http_api, "_SLICE_PAIRS", 256)  # many slices of hits and entries
 
     rng = random.Random(7)
     items = [Item(f"h{i}", rng.randint(1, 9), rng.choice(["image", "video", "a\"b"])) for i in range(64)]
@@ -247,6 +251,11 @@ def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer(
     assert status == 200 and len(asked) * len(items) > 1024  # the sliced path
     assert answer == render_match(request_items, *api.state.hits(request_items, asked))
     assert orjson.loads(answer)["endpoints"][0]["endpoint"] == asked[0]
+    one_go = Metrics(api.state, dict)  # hits counted in slices: the same figures as in one go
+    one_go.record_match(request_items, api.state.hits(request_items, asked)[1])
+    assert api.metrics._hits == one_go._hits and sum(one_go._hits.values()) > 10 * 256
+    assert api.metrics._queries == one_go._queries
+    assert (api.metrics.hit_ratio.counts, api.metrics.hit_ratio.sum) == (one_go.hit_ratio.counts, one_go.hit_ratio.sum)
 
 
 def test_a_match_over_max_match_pairs_is_refused_before_matching():
