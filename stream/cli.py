@@ -274,7 +274,8 @@ def _serve(args: argparse.Namespace) -> None:
             )
         worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
-                              stored=None if journal is None else journal.wait_stored)
+                              stored=None if journal is None else journal.wait_stored,
+                              log_problem=lambda: None if journal is None else journal.problem())
         worker.logging_config = _logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
         # only once the changelog holds their records, so they are never ahead of it. With

@@ -69,12 +69,12 @@ def _mark_content(name: str) -> bytes:
                          "written": datetime.now(UTC).isoformat(timespec="seconds")})
 
 
-def _write_mark(path: Path) -> None:
-    """Write ``RUNNING`` or ``SEED`` whole or not at all (through ``<name>.tmp``): a full
-    disk must not leave an empty mark, which no later start could tell for ours."""
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write one of mmcache's files whole or not at all (through ``<name>.tmp``): a full
+    disk must not leave an empty mark or marker, which no later start could tell for ours."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(_mark_content(path.name))
+        tmp.write_bytes(data)
     except OSError:
         tmp.unlink(missing_ok=True)  # this process just wrote it
         raise
@@ -167,11 +167,11 @@ class DataDir:
             log.warning("the last worker on %s did not stop cleanly: dropping its local "
                         "table files, to be restored from the changelog", self.root)
             self._remove_ours(self.tables)
-        _write_mark(self.running)
+        _write_whole(self.running, _mark_content(self.running.name))
 
     def mark_seed(self) -> None:
         """Mark a state that ``rebuild`` wrote and no changelog holds yet."""
-        _write_mark(self.seed)
+        _write_whole(self.seed, _mark_content(self.seed.name))
 
     def embedded_cluster(self) -> str | None:
         """The cluster id to start `serve`'s own embedded broker with: the one whose log
@@ -297,9 +297,7 @@ class DataDir:
                 )
         self.root.mkdir(parents=True, exist_ok=True)
         marker = {**identity, _CLUSTER_KEY: cluster_id} if cluster_id is not None else identity
-        tmp = self.marker.with_name(self.marker.name + ".tmp")
-        tmp.write_bytes(orjson.dumps(marker))
-        tmp.replace(self.marker)
+        _write_whole(self.marker, orjson.dumps(marker))
 
     def _remove_ours(self, top: Path) -> None:
         """Remove the entries under ``top`` that mmcache or RocksDB wrote, and the dirs

@@ -193,6 +193,7 @@ def build_worker(
     settings: Settings, bootstrap_servers: str, partitions: int, *, embedded: bool,
     preload: LocalPreload | None = None,
     stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
+    log_problem: Callable[[], str | None] = lambda: None,
 ) -> faust.Worker:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
     event log probe; nothing has started yet (but the ``preload`` of the local state,
@@ -211,7 +212,9 @@ def build_worker(
     refuse_unwritable_state(DataDir(settings.data_dir))  # one line, not Faust's crash
     state_writes = StateWrites()
     readiness = Readiness(lambda: state.applied, probe, lambda: follower.caught_up,
-                          settings.max_lag_events, problem=state_writes.problem)
+                          settings.max_lag_events,
+                          problem=lambda: "; ".join(filter(None, (state_writes.problem(),
+                                                                   log_problem()))) or None)
 
     def consumer_lag() -> dict[int, int]:
         """Events not yet applied per owned partition, from Faust's own consumer."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import re
 import struct
@@ -50,8 +51,9 @@ _COUNT = struct.Struct(">H")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _PARTITION_FILE = re.compile(r"^\d+\.log$")
 _RESTORE_CHUNK = 5000
+_REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
 # A write is acknowledged once the journal has fetched it, and an idle fetch on Tansu
-# returns after about half its max wait (BROKER.md, 3), not when data arrives: this wait
+# returns after about half its max wait, not when data arrives: this wait
 # is most of what the journal adds to a write's acknowledgement.
 JOURNAL_FETCH_WAIT_MS = 10
 
@@ -302,6 +304,17 @@ class EmbeddedLog:
         return len(records)
 
 
+def _write_all(handle: BinaryIO, data: bytes) -> None:
+    """Write every byte or raise: an unbuffered write may take only part of its data
+    (a nearly full disk takes what fits), and a part counted as written is a lost write."""
+    view = memoryview(data)
+    while view:
+        written = handle.write(view)
+        if not written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        view = view[written:]
+
+
 class Journal:
     """A thread that appends every record of the given topics on the embedded broker to
     the ``EmbeddedLog`` and tells waiting writers when their offsets are stored."""
@@ -320,6 +333,7 @@ class Journal:
         self._consumer: AIOKafkaConsumer | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
+        self._refused: str | None = None  # why the files refuse writes now (a full disk)
         self._thread = threading.Thread(target=self._main, name="embedded-log-journal", daemon=True)
 
     def start(self, timeout: float = 30.0) -> Journal:
@@ -336,14 +350,23 @@ class Journal:
         with self._lock:
             return dict(self._stored)
 
+    def problem(self) -> str | None:
+        """Why writes are refused now (for ``/readyz``'s reason), or None."""
+        if self._failure is not None or (self._ready.is_set() and not self._thread.is_alive()):
+            return f"the embedded broker's log cannot be kept: its journal stopped ({self._failure!r})"
+        return self._refused
+
     async def wait_stored(self, topic: str, positions: list[tuple[int, int]]) -> None:
         """Return once every (partition, offset) of ``topic`` is in the files (the caller
-        bounds the wait); raise if the journal stopped."""
+        bounds the wait); raise if the journal stopped or its files refuse writes now.
+        With no positions it only checks that: a write is not sent to the broker (where
+        the worker would apply it) while it could not be kept."""
         loop = asyncio.get_running_loop()
         futures = []
         with self._lock:
-            if self._failure is not None or not self._thread.is_alive():
-                raise OSError(f"the embedded log's journal stopped: {self._failure!r}")
+            problem = self.problem()
+            if problem is not None:
+                raise OSError(problem)
             for partition, offset in positions:
                 if self._stored.get((topic, partition), 0) <= offset:
                     future: asyncio.Future[None] = loop.create_future()
@@ -415,9 +438,11 @@ class Journal:
             while not self._stop.is_set():
                 batches = await consumer.getmany(timeout_ms=100, max_records=20_000)
                 later = {tp: records for tp, records in batches.items() if tp.topic in derived}
+                refused = False
                 for tp, records in batches.items():
-                    if tp.topic not in derived:
-                        self._append(files[tp], tp, records)
+                    if tp.topic not in derived and not self._append(files[tp], tp, records):
+                        consumer.seek(tp, self._stored[(tp.topic, tp.partition)])  # fetched again
+                        refused = True
                 if later:
                     held.append((later, None))
                 if held:
@@ -426,6 +451,9 @@ class Journal:
                     self._wake_waiters()
                     async with self._progress:
                         self._progress.notify_all()
+                if refused or (held and self._refused is not None):
+                    with contextlib.suppress(TimeoutError):  # room may come back: try again
+                        await asyncio.wait_for(self._stop.wait(), _REFUSED_RETRY_S)
         finally:
             await consumer.stop()
             for handle in files.values():
@@ -455,11 +483,14 @@ class Journal:
                 ready = all(self._stored[(tp.topic, tp.partition)] >= end for tp, end in needs.items())
             if not ready:
                 return
-            held.pop(0)
             for tp, records in batch.items():
-                self._append(files[tp], tp, records)
+                if not self._append(files[tp], tp, records):
+                    return  # kept at the head; what was stored of it is skipped next time
+            held.pop(0)
 
-    def _append(self, handle: BinaryIO, tp: TopicPartition, records: list[Any]) -> None:
+    def _append(self, handle: BinaryIO, tp: TopicPartition, records: list[Any]) -> bool:
+        """Append the records not stored yet; False if the file refused them (nothing of
+        them is then in it, and they are not counted as stored)."""
         expected = self._stored[(tp.topic, tp.partition)]
         frames = []
         for record in records:
@@ -473,10 +504,26 @@ class Journal:
                 record.offset, record.timestamp, record.timestamp_type, record.key, record.value,
                 tuple(record.headers or ()))))
             expected = record.offset + 1
-        if frames:
-            handle.write(b"".join(frames))  # unbuffered: in the kernel once this returns
-            with self._lock:
-                self._stored[(tp.topic, tp.partition)] = expected
+        if not frames:
+            return True
+        start = handle.tell()
+        try:
+            _write_all(handle, b"".join(frames))  # unbuffered: in the kernel once this returns
+        except OSError as exc:
+            handle.truncate(start)  # no torn frame: a later frame must follow a whole one
+            handle.seek(start)
+            if self._refused is None:
+                log.warning("cannot keep the embedded broker's log in %s (%s): writes get 503 "
+                            "until there is room, then it goes on by itself", self.files.root, exc)
+            self._refused = (f"the embedded broker's log cannot be kept in {self.files.root} "
+                             f"({exc.strerror or exc}): writes get 503 until there is room")
+            return False
+        with self._lock:
+            self._stored[(tp.topic, tp.partition)] = expected
+        if self._refused is not None:
+            log.warning("the embedded broker's log is kept again")
+            self._refused = None
+        return True
 
     def _wake_waiters(self) -> None:
         with self._lock:

@@ -121,6 +121,8 @@ class EventPublisher:
             self.in_flight -= 1
 
     async def _send(self, records: list[tuple[bytes | None, int | None, bytes]]) -> int:
+        if self.stored is not None:
+            await self.stored(self.topic, [])  # refused before sending when it cannot be kept
         acks = [
             await self._producer.send(self.topic, value, key=key, partition=partition)
             for key, partition, value in records

@@ -6,6 +6,7 @@ without room to open the files stops with one line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -28,14 +29,13 @@ pytestmark = pytest.mark.integration
 Resize = Callable[[str], None]
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Resize]]:
-    """A 5 MiB tmpfs as the data dir (unmounted in the end), and a way to resize it."""
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size: str) -> Iterator[Resize]:
+    """A tmpfs of ``size`` mounted at ``mount`` (unmounted in the end), and a way to resize it."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "data"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)],
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
@@ -44,10 +44,17 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Resize]]:
         subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True)
 
     try:
-        yield mount, resize
+        yield resize
     finally:
         if subprocess.run(["umount", str(mount)], capture_output=True).returncode:
             subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Resize]]:
+    """A 5 MiB tmpfs as the data dir, and a way to resize it."""
+    with mounted_tmpfs(tmp_path / "data", "5m") as resize:
+        yield tmp_path / "data", resize
 
 
 def _hashes(placement: int) -> list[str]:

@@ -286,3 +286,57 @@ def test_dead_letters_are_kept_too_and_not_written_again_after_a_restart(serve, 
     assert len(kept) == 1
     headers = dict(kept[0].headers)
     assert (int(headers["mmcache.source.partition"]), int(headers["mmcache.source.offset"])) == source
+
+
+def test_a_full_disk_refuses_writes_it_cannot_keep_and_goes_on_when_there_is_room(tmp_path):
+    """On the default the kept log is on the data dir's volume: when it fills up, writes get
+    503 before they reach the broker (the journal never counts a part of a write as kept),
+    /readyz says why, every write answered 202 is kept, and the journal goes on by itself
+    once there is room; killed and started again, serve has every 202 and live == rebuild."""
+    from tests.integration.test_disk_full import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "data", "12m") as resize:
+        service = EmbeddedServe(tmp_path / "data", tmp_path / "serve.log").start()
+        service.wait_ready()
+        accepted: list[int] = []
+        filler = "x" * 200
+
+        def place(i: int) -> int:
+            body = {"request_id": f"r-{i}", "endpoints": [f"ns/full-{i}"],
+                    "items": [{"hash": f"h-{i}-{j}-{filler}", "size": 1, "modality": "image"}
+                              for j in range(64)]}
+            status = http("POST", service.url + "/v1/placements", body)[0]
+            assert status in (202, 503), status
+            if status == 202:
+                accepted.append(i)
+            return status
+
+        i = 0
+        refused = 0
+        while refused < 5:  # until the volume is full and writes are refused
+            assert i < 20_000, "the volume never filled up"
+            refused = refused + 1 if place(i) == 503 else 0
+            i += 1
+        status, ready = http("GET", service.url + "/readyz")
+        assert "cannot be kept" in ready["reason"], ready
+        resize("64m")
+        eventually(lambda: place(i + 1) == 202, timeout=30, interval=0.2)
+        assert "cannot be kept" not in http("GET", service.url + "/readyz")[1]["reason"]
+        service.stop(signal.SIGKILL)
+
+        again = EmbeddedServe(tmp_path / "data", tmp_path / "again.log").start()
+        again.wait_ready()
+
+        def all_matched() -> bool:
+            for n in accepted:
+                body = {"endpoints": [f"ns/full-{n}"], "body": {"tokenized": {"prompts": [{"mm_features": [
+                    {"hash": f"h-{n}-{j}-{filler}", "modality": "image"} for j in range(64)]}]}}}
+                answer = http("POST", again.url + "/v1/match", body)[1]
+                if len(answer["endpoints"][0]["matched_items"]) != 64:
+                    return False
+            return True
+
+        assert eventually(all_matched, timeout=60, interval=0.5)
+        live = again.settled_digest()
+        assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == live
+        again.stop(signal.SIGTERM)

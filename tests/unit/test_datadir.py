@@ -308,9 +308,27 @@ def test_a_full_disk_never_leaves_an_empty_running_mark(tmp_path, monkeypatch):
         DataDir(tmp_path).claim(IDENTITY, cluster_id=cluster)
     monkeypatch.undo()
     assert not (tmp_path / "RUNNING").exists() and not (tmp_path / "RUNNING.tmp").exists()
+    assert not (tmp_path / "mmcache-state.json.tmp").exists()
     DataDir(tmp_path).unlock()
     fresh = DataDir(tmp_path)
     assert fresh.foreign() == []
     (tmp_path / "RUNNING.tmp").write_bytes(orjson.dumps({"mmcache": "RUNNING"}))
     fresh.claim(IDENTITY, cluster_id=cluster)  # a whole mark left in .tmp (a kill) is ours
     assert orjson.loads((tmp_path / "RUNNING").read_bytes())["mmcache"] == "RUNNING"
+
+
+def test_a_full_disk_never_leaves_a_half_written_marker(tmp_path, monkeypatch):
+    """The marker is written whole or not at all, as the marks are: a refused write of its
+    .tmp (a new dir on a full volume) leaves nothing the next start would refuse."""
+    real_write = type(tmp_path).write_bytes
+
+    def full_disk(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    datadir = DataDir(tmp_path)
+    monkeypatch.setattr(type(tmp_path), "write_bytes", full_disk)
+    with pytest.raises(OSError):
+        datadir.check(IDENTITY, new_cluster_id())
+    monkeypatch.undo()
+    assert datadir.foreign() == [] and not datadir.marker.exists()
