@@ -25,7 +25,7 @@ from aiokafka.errors import KafkaError
 from stream.codec import encode_event
 from stream.config import KafkaSecurity
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
-from stream.kafka.clients import client_options
+from stream.kafka.clients import MAX_REQUEST_BYTES, client_options
 
 __all__ = ["EventPublisher", "LogUnavailable", "Overloaded"]
 
@@ -75,6 +75,7 @@ class EventPublisher:
             bootstrap_servers=self.bootstrap_servers,
             acks="all",
             linger_ms=0,
+            max_request_size=MAX_REQUEST_BYTES,  # what the HTTP API's event-size check holds to
             request_timeout_ms=max(1, int(self.timeout_s * 1000)),
             **client_options(self.security),
         )
