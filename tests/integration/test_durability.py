@@ -71,7 +71,7 @@ def test_kill_9_under_load_loses_no_acknowledged_placement(make_service, tmp_pat
             except OSError:
                 pass
             n += 1
-            time.sleep(0.004)
+            time.sleep(0.004)  # paces the load generator
 
     loader = threading.Thread(target=load)
     loader.start()
