@@ -46,14 +46,19 @@ ifeq ($(GO),)
 	-(apt-get install -y -qq golang-go >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq golang-go >/dev/null 2>&1)) || echo "golang-go not installed (needs root): the Go client's test will fail"
 endif
 
+# The suite mostly waits (on brokers, group joins, recoveries), so it runs on 4 worker
+# processes even on 2 cores, each with a broker of its own; the benchmark tests, which pin
+# processes to cores, stay one group, run one after another (tests/integration/conftest.py).
+XDIST := -n 4 --dist loadgroup
+
 test: $(STAMP) tools golang
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 integration: $(STAMP)
-	$(BIN)/python -m pytest -q tests/integration
+	$(BIN)/python -m pytest -q $(XDIST) tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check stream tests

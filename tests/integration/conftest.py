@@ -28,6 +28,20 @@ pytestmark = pytest.mark.integration
 
 READY_TIMEOUT_S = 60.0
 
+# Under pytest-xdist (`make test`: `-n 4 --dist loadgroup`) each worker process has its own
+# session, hence its own broker (``bootstrap``). The benchmark tests, which pin processes to
+# cores and measure against controls, run one after another on one worker, never beside
+# each other. (A group is one worker's queue: the long serial tests would make it the
+# suite's longest path, so the others, which bound timings loosely, are not in it.)
+SERIAL = {"test_bench.py", "test_bench_redis.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the tests of ``SERIAL`` in one xdist group (a no-op without xdist)."""
+    for item in items:
+        if item.path.name in SERIAL and item.path.parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.xdist_group("serial"))
+
 
 @pytest.fixture(scope="session")
 def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
