@@ -13,6 +13,7 @@ here, is listed in ``stream.internals`` with its keywords' test.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from aiokafka.consumer.fetcher import Fetcher
@@ -27,6 +28,7 @@ def cap_fetcher_setting(name: str, default: float, cap: float) -> None:
     ``cap`` for its keyword setting ``name`` (whose own default is ``default``)."""
     original_init = Fetcher.__init__
 
+    @functools.wraps(original_init)  # its signature stays the real one (stream.internals' test)
     def init_with_cap(self: Fetcher, *args: Any, **kwargs: Any) -> None:
         kwargs[name] = min(kwargs.get(name, default), cap)
         original_init(self, *args, **kwargs)
