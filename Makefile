@@ -48,17 +48,20 @@ endif
 
 # The suite mostly waits (on brokers, group joins, recoveries), so it runs on 4 worker
 # processes even on 2 cores, each with a broker of its own; the benchmark tests, which pin
-# processes to cores, stay one group, run one after another (tests/integration/conftest.py).
+# processes to cores, stay one group, run one after another (tests/integration/conftest.py);
+# the tests marked `alone` (tight latency bounds) run after them, with nothing beside them.
 XDIST := -n 4 --dist loadgroup
 
 test: $(STAMP) tools golang
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 integration: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) tests/integration
+	$(BIN)/python -m pytest -q $(XDIST) -m "not alone" tests/integration
+	$(BIN)/python -m pytest -q -m alone tests/integration
 
 lint: $(STAMP)
 	$(BIN)/ruff check stream tests

@@ -23,7 +23,8 @@ import pytest
 
 from tests.integration.conftest import Service, eventually
 
-pytestmark = pytest.mark.integration
+# Timed against a bound of 50 ms: run alone, after the parallel part of `make test`.
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 PROBE_BOUND_S = 0.050
 MIB = 1 << 20
