@@ -5,6 +5,7 @@ acknowledged event and the same state, and `rebuild` replays that log."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -295,8 +296,11 @@ def test_a_full_disk_refuses_writes_it_cannot_keep_and_goes_on_when_there_is_roo
     once there is room; killed and started again, serve has every 202 and live == rebuild."""
     from tests.integration.test_disk_full import mounted_tmpfs
 
-    with mounted_tmpfs(tmp_path / "data", "12m") as resize:
+    started: list[EmbeddedServe] = []
+    with mounted_tmpfs(tmp_path / "data", "12m") as resize, contextlib.ExitStack() as stack:
+        stack.callback(lambda: [s.stop(signal.SIGKILL) for s in started if s.process is not None])
         service = EmbeddedServe(tmp_path / "data", tmp_path / "serve.log").start()
+        started.append(service)
         service.wait_ready()
         accepted: list[int] = []
         filler = "x" * 200
@@ -325,6 +329,7 @@ def test_a_full_disk_refuses_writes_it_cannot_keep_and_goes_on_when_there_is_roo
         service.stop(signal.SIGKILL)
 
         again = EmbeddedServe(tmp_path / "data", tmp_path / "again.log").start()
+        started.append(again)
         again.wait_ready()
 
         def all_matched() -> bool:
