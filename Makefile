@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test unit integration lint schemas broker bench tools golang clean
+.PHONY: run test vllm-wheel unit integration lint schemas broker bench tools golang clean
 
 # The install compiles the modules of pyproject's [tool.mmcache] compiled in place
 # (setup.py), so it is redone when their source changes: a stale build would be tested.
@@ -52,7 +52,12 @@ endif
 # the tests marked `alone` (tight latency bounds) run after them, with nothing beside them.
 XDIST := -n 4 --dist loadgroup
 
-test: $(STAMP) tools golang
+# vLLM's wheel (its own classes, for the differential tests) is cached outside the tree
+# once (tests/vllm_wheel.py); a run that cannot get it fails.
+vllm-wheel: $(STAMP)
+	$(BIN)/python -m tests.vllm_wheel
+
+test: $(STAMP) tools golang vllm-wheel
 	$(BIN)/python -m pytest -q $(XDIST) -m "not alone"
 	$(BIN)/python -m pytest -q -m alone
 

@@ -1,0 +1,145 @@
+"""vLLM's own classes, loaded from its published wheel for differential tests.
+
+The repo never holds vLLM's code: the wheel is downloaded once (``pip download
+--no-deps``, about 340 MB) into a cache outside the work tree and the modules the tests
+need are read from it. ``vllm/v1/core/encoder_cache_manager.py`` imports four things
+(``VllmConfig``, ``EncoderCacheManagerMetadata``, ``init_logger``, ``Request``) that
+would pull in torch; they are stubbed here, which is why the module is loaded alone.
+
+If the wheel cannot be had, ``wheel()`` raises: the tests that need it fail, they do
+not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_VERSION = "0.33.0"
+CACHE = Path(os.environ.get("MMCACHE_WHEEL_CACHE") or Path.home() / ".cache" / "mmcache" / "wheels")
+ENCODER_CACHE_MANAGER = "vllm/v1/core/encoder_cache_manager.py"
+
+
+def wheel() -> Path:
+    """The cached vLLM wheel, downloaded first if it is not there yet."""
+    found = _cached()
+    if found:
+        return found
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # xdist workers: one downloads, the others wait
+        found = _cached()
+        if found:
+            return found
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+             "--dest", str(CACHE), f"vllm=={VLLM_VERSION}"],
+            capture_output=True, text=True, timeout=900)
+        found = _cached()
+        if done.returncode != 0 or not found:
+            raise RuntimeError(f"could not download the vllm {VLLM_VERSION} wheel into {CACHE}: "
+                               f"{(done.stderr or done.stdout).strip()[-800:]}")
+        return found
+
+
+def _cached() -> Path | None:
+    matches = sorted(CACHE.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    return matches[0] if matches else None
+
+
+def source(member: str) -> str:
+    """The text of one file of the wheel, e.g. ``vllm/v1/core/block_pool.py``."""
+    with zipfile.ZipFile(wheel()) as archive:
+        return archive.read(member).decode()
+
+
+def _module(name: str, **attrs: object) -> types.ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__path__ = []  # a package, so that submodules can be registered under it
+        sys.modules[name] = module
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(_module(parent), child, module)
+    return module
+
+
+class _Stub:
+    """Stands in for a vLLM class that the module only names in type hints."""
+
+
+def encoder_cache_manager() -> types.ModuleType:
+    """vLLM's ``vllm.v1.core.encoder_cache_manager`` module, from the wheel.
+
+    Registered in ``sys.modules`` under its own name, so that code written for vLLM
+    (``from vllm.v1.core.encoder_cache_manager import EncoderCacheManager``, as the
+    plugin in ``clients/vllm`` does) imports this very class.
+    """
+    name = "vllm.v1.core.encoder_cache_manager"
+    loaded = sys.modules.get(name)
+    if loaded is not None and hasattr(loaded, "EncoderCacheManager"):
+        return loaded
+    text = source(ENCODER_CACHE_MANAGER)
+    _module("vllm.config", VllmConfig=_Stub)
+    _module("vllm.config.ec_manager_config", EncoderCacheManagerMetadata=_Stub)
+    _module("vllm.logger", init_logger=logging.getLogger)
+    _module("vllm.v1.request", Request=_Stub)
+    module = _module(name)
+    module.__file__ = f"{wheel()}/{ENCODER_CACHE_MANAGER}"
+    exec(compile(text, module.__file__, "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+@dataclass(frozen=True)
+class Position:
+    """The part of vLLM's ``PlaceholderRange`` the encoder cache manager reads."""
+
+    offset: int
+    length: int
+
+    def get_num_embeds(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True)
+class Feature:
+    """The part of vLLM's ``MultiModalFeatureSpec`` the manager reads."""
+
+    identifier: str
+    mm_position: Position
+
+
+@dataclass
+class Request:
+    """The part of vLLM's ``Request`` the manager reads: its id and its items in order."""
+
+    request_id: str
+    mm_features: list[Feature] = field(default_factory=list)
+
+    def get_num_encoder_embeds(self, input_id: int) -> int:
+        return self.mm_features[input_id].mm_position.get_num_embeds()
+
+
+def request(request_id: str, items: list[tuple[str, int]], gap: int = 0) -> Request:
+    """A request whose items ``(hash, embeddings)`` lie one after another in its prompt,
+    ``gap`` text tokens before each."""
+    features, offset = [], 0
+    for identifier, size in items:
+        offset += gap
+        features.append(Feature(identifier, Position(offset, size)))
+        offset += size
+    return Request(request_id, features)
+
+
+if __name__ == "__main__":
+    print(wheel())
