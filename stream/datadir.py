@@ -35,12 +35,12 @@ from rocksdict import AccessType, Options, Rdict
 from stream.core.cache import CacheState, Capacity
 from stream.kafka.embedded import EMBEDDED_CLUSTER_PREFIX
 from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
+from stream.kafka.topics import TABLE_NAME
 from stream.store import load_partition
 
 __all__ = ["LOCK_NAME", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse", "StateMismatch"]
 
 STATE_FORMAT = 1
-TABLE_NAME = "lru"
 LOCK_NAME = "mmcache.lock"
 _CLUSTER_KEY = "cluster_id"
 _IDENTITY_KEYS = frozenset({"format", "app_id", "topic", "capacity"})

@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from stream.bench.figures import Figure
+from stream.bench.figures import Figure, render_table
 from stream.bench.service import Worker
 
 __all__ = ["Client", "Takeover", "failover_figures", "rebuild_digest", "takeover_trial",
@@ -413,7 +413,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print_figures(bootstrap: str | None, measure: Callable[[str], list[Figure]]) -> None:
-    from stream.bench.run import render_table
     from stream.kafka.embedded import EmbeddedBroker
 
     broker = None if bootstrap else EmbeddedBroker().start()

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import orjson
 
-from stream.bench.figures import Figure
+from stream.bench.figures import Figure, render_table
 from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
-__all__ = ["LEGEND", "SCENARIOS", "refuse_quick_over_full", "render_table", "run"]
+__all__ = ["SCENARIOS", "refuse_quick_over_full", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -88,30 +88,6 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "failover": _failover,
     "scale3": _scale3,
 }
-
-
-LEGEND = (
-    "Columns: **figure** what was measured; **value** the measurement in its unit (medians "
-    "over the runs); **control** the same measurement of a baseline in the same run (same "
-    "unit), when there is one; **ratio** value / control; **target** what the figure must "
-    "reach; **pass** `yes` when the value meets the target, `NO` when it does not (the run "
-    "still completes: NO marks a regression to look at, not a failed run); **what it "
-    "means** the figure's own note. A `--quick` run uses reduced sizes: its figures are not "
-    "comparable with a full run's and it is written to `bench/quick.json`, never over the "
-    "full results."
-)
-
-
-def render_table(figures: list[Figure]) -> str:
-    """A Markdown table of the figures, followed by the legend of its columns."""
-    lines = ["| figure | value | control | ratio | target | pass | what it means |",
-             "|---|---|---|---|---|---|---|"]
-    for f in figures:
-        control = "" if f.control is None else f"{f.control:,} {f.unit}"
-        ratio = "" if f.ratio is None else f"{f.ratio}"
-        lines.append(f"| {f.name} | {f.value:,} {f.unit} | {control} | {ratio} | {f.target} | "
-                     f"{'yes' if f.passed else 'NO'} | {f.note.replace('|', '/')} |")
-    return "\n".join(lines) + "\n\n" + LEGEND
 
 
 def refuse_quick_over_full(out: Path) -> None:

@@ -26,13 +26,13 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from stream.config import KafkaSecurity, Settings
-from stream.datadir import TABLE_NAME
 from stream.kafka.clients import client_options
 
 __all__ = [
     "CHANGELOG_TOPIC_CONFIG",
     "DEAD_LETTER_TOPIC_CONFIG",
     "EVENTS_TOPIC_CONFIG",
+    "TABLE_NAME",
     "Durability",
     "changelog_topic",
     "choose_durability",
@@ -41,6 +41,10 @@ __all__ = [
     "ensure_topic",
     "ensure_topics",
 ]
+
+#: The Faust table of the per-endpoint state: its changelog topic and its RocksDB files
+#: in the data dir are named after it.
+TABLE_NAME = "lru"
 
 EVENTS_TOPIC_CONFIG = {
     "cleanup.policy": "delete",

@@ -7,8 +7,9 @@ import shutil
 import orjson
 import pytest
 
+from stream.bench.figures import render_table
 from stream.bench.match import ReferenceState, _ms, full_state
-from stream.bench.run import render_table, run
+from stream.bench.run import run
 from stream.core.cache import CacheState, Capacity
 from stream.core.items import Item
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from stream.bench.figures import Figure
-from stream.bench.run import render_table
+from stream.bench.figures import Figure, render_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
