@@ -46,22 +46,26 @@ def extract_items(body: Any, path: str = "body", *, max_items: int | None = None
     """Return the request's unique items, in order of first occurrence.
 
     The first source that yields at least one item wins: ``tokenized``, then
-    ``generate``, then ``chat_completions``. A malformed source raises
-    :class:`InvalidField` naming the field, even when an earlier source wins,
-    so that bad input is never half-accepted. A body with none of the three keys but a
-    top-level ``messages`` list is a plain OpenAI request, read as ``chat_completions``.
+    ``generate``, then ``chat_completions``, then ``responses``. A malformed source
+    raises :class:`InvalidField` naming the field, even when an earlier source wins,
+    so that bad input is never half-accepted. A body with none of the four keys is a
+    plain OpenAI request: a top-level ``messages`` list is read as ``chat_completions``,
+    else a top-level ``input`` list as ``responses``.
 
     Reading stops at the first problem, so its cost follows the limits, not the body:
     at the item past ``max_items`` unique ones in a source (``items_field`` names it),
     and at the media reference past ``max_references`` in the whole body (every
     ``mm_features`` and ``mm_hashes`` entry and media block counts, repeats included).
-    A chat reference seen before in the body is not hashed again.
+    A media reference seen before in the body is not hashed again.
     """
     if not isinstance(body, dict):
         raise InvalidField(path, "must be a JSON object")
     budget = _Budget(path, max_references)
-    if isinstance(body.get("messages"), list) and not _SOURCE_KEYS & body.keys():
-        return unique_items(_from_chat(body, lambda: path, budget), max_items, items_field)
+    if not _SOURCE_KEYS & body.keys():
+        for key, plain in _PLAIN_SOURCES:
+            if isinstance(body.get(key), list):
+                return unique_items(plain(body, lambda: path, budget), max_items, items_field)
+        return []
     found: list[list[Item]] = []
     for key, source in _SOURCES:
         value = body.get(key)
@@ -172,18 +176,45 @@ def _from_generate(value: Any, path: Path, budget: _Budget) -> Iterator[Item]:
 
 
 _URL_BLOCKS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-_HASHED_BLOCKS = (*_URL_BLOCKS, "input_audio")
+# the content-part types that are items, per source, with their modality
+_CHAT_MEDIA = {**_URL_BLOCKS, "input_audio": "audio"}
+_RESPONSES_MEDIA = {"input_image": "image", "input_audio": "audio"}
 
 
 def _from_chat(value: Any, path: Path, budget: _Budget) -> Iterator[Item]:
     _expect(value, dict, path, "an object")
-    messages = _expect(_or(value.get("messages"), []), list, lambda: f"{path()}.messages", "an array")
-    # references already hashed, by block type: a repeat names the same item, which
-    # ``unique_items`` would drop, so it is counted but neither hashed nor yielded
-    seen: dict[str, set[str]] = {kind: set() for kind in _HASHED_BLOCKS}
+    mpath: Path = lambda: f"{path()}.messages"
+    messages = _expect(_or(value.get("messages"), []), list, mpath, "an array")
+    return _from_messages(messages, mpath, budget, _CHAT_MEDIA, True)
+
+
+def _from_responses(value: Any, path: Path, budget: _Budget) -> Iterator[Item]:
+    """An OpenAI Responses body: ``input`` is a string (text only) or a list of input
+    entries. Entries that are not objects with a ``content`` list (function calls and
+    their outputs, item references, or the strings and token arrays of the other APIs'
+    ``input``, read here when a plain body is) contribute nothing."""
+    _expect(value, dict, path, "an object")
+    entries = _or(value.get("input"), [])
+    if isinstance(entries, str):
+        return iter(())
+    ipath: Path = lambda: f"{path()}.input"
+    return _from_messages(_expect(entries, list, ipath, "an array or a string"), ipath, budget,
+                          _RESPONSES_MEDIA, False)
+
+
+def _from_messages(messages: list[Any], path: Path, budget: _Budget, media: dict[str, str],
+                   strict: bool) -> Iterator[Item]:
+    """The items of every message whose ``content`` is a list of typed parts; a message
+    that is not an object is refused when ``strict``, else skipped."""
+    # references already hashed: a repeat names the same item, which ``unique_items``
+    # would drop, so it is counted but neither hashed nor yielded
+    seen: set[tuple[str, str]] = set()
     for m, message in enumerate(messages):
-        mpath: Path = lambda: f"{path()}.messages[{m}]"
-        _expect(message, dict, mpath, "an object")
+        mpath: Path = lambda: f"{path()}[{m}]"
+        if not isinstance(message, dict):
+            if strict:
+                raise InvalidField(mpath(), "must be an object")
+            continue
         content = message.get("content")
         if not isinstance(content, list):
             continue
@@ -193,24 +224,46 @@ def _from_chat(value: Any, path: Path, budget: _Budget) -> Iterator[Item]:
             kind = block.get("type")
             if kind is not None:  # a list or an object is no type (and not hashable)
                 _expect(kind, str, lambda: f"{bpath()}.type", "a string")
-            if kind in _URL_BLOCKS:
-                budget.take()
-                reference = _block_url(block.get(kind), lambda: f"{bpath()}.{kind}",
-                                       bare_string=kind == "image_url")
-                modality = _URL_BLOCKS[kind]
-            elif kind == "input_audio":
-                budget.take()
-                apath: Path = lambda: f"{bpath()}.input_audio"
-                audio = _expect(block.get(kind), dict, apath, "an object")
-                data = _expect(audio.get("data"), str, lambda: f"{apath()}.data", "a string")
-                fmt = _expect(audio.get("format"), str, lambda: f"{apath()}.format", "a string")
-                reference, modality = f"{fmt}:{data}", "audio"
-            else:
+            modality = media.get(kind)
+            if modality is None:
                 continue
-            hashed = seen[kind]
-            if reference not in hashed:
-                hashed.add(reference)
-                yield Item(media_hash(kind, reference), 1, modality)
+            budget.take()
+            uuid = block.get("uuid")
+            if uuid is not None and (type(uuid) is not str or not uuid):
+                raise InvalidField(f"{bpath()}.uuid", "must be a non-empty string (the item's "
+                                                      "hash, as vLLM's multi_modal_uuids) or null")
+            reference = _reference(kind, block, bpath, uuid is not None)
+            if uuid is not None:
+                yield Item(uuid, 1, modality)
+            elif reference not in seen:
+                seen.add(reference)
+                yield Item(media_hash(*reference), 1, modality)
+
+
+def _reference(kind: str, block: dict[str, Any], path: Path,
+               optional: bool) -> tuple[str, str] | None:
+    """What a media block's hash is made of: ``(namespace, reference)``. With a ``uuid``
+    the media itself is ``optional`` (vLLM then takes the item from its cache): absent or
+    null gives ``None``; given, it must still be well formed."""
+    if kind == "input_image":
+        url, file_id = block.get("image_url"), block.get("file_id")
+        if url is not None:
+            return "image_url", _expect(url, str, lambda: f"{path()}.image_url", "a string")
+        if file_id is not None:
+            return "file_id", _expect(file_id, str, lambda: f"{path()}.file_id", "a string")
+        if optional:
+            return None
+        raise InvalidField(f"{path()}.image_url", "must be a string (or give file_id or uuid)")
+    value = block.get(kind)
+    if optional and value is None:
+        return None
+    if kind == "input_audio":
+        apath: Path = lambda: f"{path()}.input_audio"
+        audio = _expect(value, dict, apath, "an object")
+        data = _expect(audio.get("data"), str, lambda: f"{apath()}.data", "a string")
+        fmt = _expect(audio.get("format"), str, lambda: f"{apath()}.format", "a string")
+        return kind, f"{fmt}:{data}"
+    return kind, _block_url(value, lambda: f"{path()}.{kind}", bare_string=kind == "image_url")
 
 
 def _block_url(value: Any, path: Path, *, bare_string: bool) -> str:
@@ -224,5 +277,8 @@ _SOURCES: tuple[tuple[str, Callable[[Any, Path, _Budget], Iterator[Item]]], ...]
     ("tokenized", _from_tokenized),
     ("generate", _from_generate),
     ("chat_completions", _from_chat),
+    ("responses", _from_responses),
 )
 _SOURCE_KEYS = frozenset(key for key, _ in _SOURCES)
+# a body with none of the keys: the top-level list that says which OpenAI API it is for
+_PLAIN_SOURCES = (("messages", _from_chat), ("input", _from_responses))
