@@ -15,6 +15,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from stream.body_reader import BodyReader
 from stream.core.events import ItemsPlaced
 from stream.core.items import InvalidField, Item, extract_items
 from tests.unit.openai_bodies import sdk_body
@@ -186,26 +187,35 @@ class RecordingPublisher:
         return len(events)
 
 
-def test_match_and_placements_accept_a_responses_body_as_the_sdk_sends_it():
+def answers(api: object, calls: list[tuple[str, dict]]) -> list[tuple[int, dict]]:
+    async def run() -> list[tuple[int, dict]]:
+        got = []
+        async with TestClient(TestServer(api.application())) as client:  # type: ignore[attr-defined]
+            for path, request in calls:
+                response = await client.post(path, data=orjson.dumps(request))
+                got.append((response.status, orjson.loads(await response.read())))
+        return got
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("where", ["inline", "child"])
+def test_match_and_placements_accept_a_responses_body_as_the_sdk_sends_it(where):
     body = responses_body(input_image(image_url=CAT), input_image(file_id="file-abc123", uuid="img-2"))
     api = make_api()
     api.publisher = RecordingPublisher()  # type: ignore[assignment]
+    if where == "child":  # as a big body is: read by the body reader's child process
+        api.bodies = BodyReader(api.limits, inline_bytes=0)
     want = [{"hash": sha("image_url\x00" + CAT), "size": 1, "modality": "image"},
             {"hash": "img-2", "size": 1, "modality": "image"}]
+    bad = {"input": [{"role": "user", "content": [input_image(image_url=CAT, uuid=7)]}]}
 
-    async def run() -> list[tuple[int, dict]]:
-        answers = []
-        async with TestClient(TestServer(api.application())) as client:
-            for path, request in [
-                ("/v1/match", {"endpoints": ["ns/a"], "body": body}),
-                ("/v1/match", {"endpoints": ["ns/a"], "body": {"responses": body}}),
-                ("/v1/placements", {"request_id": "r-1", "endpoints": ["ns/b"], "body": body}),
-            ]:
-                response = await client.post(path, data=orjson.dumps(request))
-                answers.append((response.status, orjson.loads(await response.read())))
-        return answers
-
-    (match_status, plain), (wrapped_status, wrapped), (placed_status, placed) = asyncio.run(run())
+    (match_status, plain), (wrapped_status, wrapped), (placed_status, placed), refused = answers(api, [
+        ("/v1/match", {"endpoints": ["ns/a"], "body": body}),
+        ("/v1/match", {"endpoints": ["ns/a"], "body": {"responses": body}}),
+        ("/v1/placements", {"request_id": "r-1", "endpoints": ["ns/b"], "body": body}),
+        ("/v1/match", {"endpoints": ["ns/a"], "body": bad}),
+    ])
     assert (match_status, wrapped_status, placed_status) == (200, 200, 202)
     assert plain["request_items"] == wrapped["request_items"] == want
     assert [entry["endpoint"] for entry in plain["endpoints"]] == ["ns/a"]
@@ -213,3 +223,6 @@ def test_match_and_placements_accept_a_responses_body_as_the_sdk_sends_it():
     [event] = api.publisher.events
     assert (event.endpoint, [(i.hash, i.size, i.modality) for i in event.items]) == (
         "ns/b", [(w["hash"], w["size"], w["modality"]) for w in want])
+    assert refused == (400, {"error": {"code": "invalid_request", "message":
+                                       "body.input[0].content[0].uuid: must be a non-empty string "
+                                       "(the item's hash, as vLLM's multi_modal_uuids) or null"}})
