@@ -6,17 +6,17 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import orjson
 
 from stream.core.cache import DEFAULT_CACHE_MB, MB_PER_ITEM, Capacity
 from stream.sim.fleet import DEFAULT_ENCODER_CACHE_SIZE, POLICIES, FleetSpec, PolicyResult, simulate
-from stream.sim.tune import MIN_REPEATS
+from stream.sim.tune import DEFAULT_BYTES_PER_EMBEDDING, DEFAULT_PROCESSOR_CACHE_GB, LAYERS, MIN_REPEATS
 from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
 
-__all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation"]
+__all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation", "tune_document"]
 
 _ENV_HELP = "Kafka security from MMCACHE_KAFKA_* as for serve"
 
@@ -221,39 +221,80 @@ def _opt(value: float | None) -> str:
 
 def _add_tune(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tune = commands.add_parser(
-        "tune", help="which capacity to configure, from the recorded placements",
+        "tune", help="which capacity to configure, per cache layer, from the recorded placements",
         description="Replays the recorded events (from the event topic, or a JSON-lines file "
         "from 'mmcache export') through the service's core under a range of capacities in "
         "items mode and size mode, and reports the hit ratio each would have given: the share "
-        "of placed items still in the endpoint's LRU when placed again. With "
-        "--encoder-cache-size it also reports the false-hit rate: the share of those hits the "
-        f"servers' true encoder caches no longer held. {_ENV_HELP}.",
+        "of placed items still in the endpoint's LRU when placed again. The same placements "
+        "are replayed through a true model of each cache layer of a vLLM server that the log "
+        "can speak for (the processor cache, in bytes; the encoder cache, in embeddings), and "
+        "per layer it reports the false hits (index hits the layer no longer held) and missed "
+        "hits, and recommends the capacity that predicts that layer best. The prefix (KV) "
+        "layer cannot be predicted from placements; the output says why. The recommendation "
+        "targets one layer (--layer; by default the one whose hits save the most time). "
+        f"{_ENV_HELP}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_source(tune)
     tune.add_argument("--input", type=Path, default=None,
                       help="read this JSON-lines export instead of the topic")
+    tune.add_argument("--layer", choices=LAYERS, default=None,
+                      help="the cache layer the recommendation sizes the index for (default: the "
+                      "replayed layer whose true hits on this log save the most time at the "
+                      "simulator's costs; prefix: says why it cannot)")
     tune.add_argument("--encoder-cache-size", type=int, default=None,
-                      help="the servers' true encoder cache in embeddings (vLLM logs 'encoder_cache_size'); "
-                      "enables the false-hit rate and a recommendation against it")
+                      help="the servers' encoder cache in embeddings (vLLM logs 'encoder_cache_size'; "
+                      f"when not given {DEFAULT_ENCODER_CACHE_SIZE}, vLLM's max_num_batched_tokens for "
+                      "its OpenAI server on GPUs of 70 GiB or more, is assumed and said)")
+    tune.add_argument("--processor-cache-gb", type=float, default=DEFAULT_PROCESSOR_CACHE_GB,
+                      help="the servers' processor cache in GiB (vLLM's mm_processor_cache_gb; "
+                      "0: disabled, not replayed)")
+    tune.add_argument("--bytes-per-embedding", default=_bytes_text(DEFAULT_BYTES_PER_EMBEDDING),
+                      help="bytes of processed input per encoder embedding, by modality "
+                      "(modality=bytes, comma-separated; a modality not named weighs as image): "
+                      "what the processor cache counts. The default is Qwen2/2.5-VL in bf16 "
+                      "(docs/simulation.md)")
     tune.add_argument("--items", default=None,
                       help="comma-separated items-mode capacities (default 1, 2, 4 .. 4096)")
     tune.add_argument("--embeddings", default=None,
-                      help="comma-separated size-mode capacities (default 512 .. 262144 and "
-                      "--encoder-cache-size)")
+                      help="comma-separated size-mode capacities (default 512 .. 1048576)")
     tune.add_argument("--mean-item-embeddings", type=float, default=None,
                       help="for items without sizes (chat_completions, generate: every size is 1), "
-                      "the servers' mean embeddings per item: with --encoder-cache-size the true "
-                      "caches take each item at this size, and items mode of encoder cache size / "
-                      "this is replayed (docs/simulation.md)")
+                      "the servers' mean embeddings per item: the layers' true caches take each "
+                      "item at this size (the processor at this many embeddings' bytes), and items "
+                      "mode sized to each layer is replayed (docs/simulation.md)")
     tune.add_argument("--min-repeats", type=int, default=MIN_REPEATS,
                       help="the least evidence for a recommendation: placed items already on their "
-                      "endpoint; below it the table is printed and tune exits 1 without one "
+                      "endpoint, and per layer those its true caches held; below it the table is "
+                      "printed without one, and tune exits 1 if that is the targeted layer "
                       f"(at {MIN_REPEATS} the noise of a hit count, 1/sqrt({MIN_REPEATS}) = 5%%, is the "
                       "width of the 5%% band the recommendation allows)")
     tune.add_argument("--plot", default="tune.svg",
-                      help="write the plot of hit ratio against capacity here (SVG); '' for none")
+                      help="write the plot of hit ratio against capacity (the targeted layer's false "
+                      "hits) here (SVG); '' for none")
     tune.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     tune.set_defaults(run=_tune)
+
+
+def _bytes_text(per: Mapping[str, int]) -> str:
+    return ",".join(f"{modality}={n}" for modality, n in per.items())
+
+
+def _bytes_per_embedding(text: str) -> dict[str, int]:
+    per: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        modality, _, value = part.partition("=")
+        try:
+            per[modality.strip()] = int(value)
+        except ValueError:
+            per = {}
+            break
+        if not modality.strip() or per[modality.strip()] < 1:
+            per = {}
+            break
+    if not per:
+        raise SystemExit(f"tune: --bytes-per-embedding takes modality=bytes pairs, comma-separated, "
+                         f"each at least 1 (e.g. {_bytes_text(DEFAULT_BYTES_PER_EMBEDDING)}), got {text!r}")
+    return per
 
 
 def _add_source(parser: argparse.ArgumentParser) -> None:
@@ -315,40 +356,54 @@ def _numbers(text: str | None, flag: str) -> list[int] | None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from stream.core.capacity import capacity_for_encoder_cache
     from stream.rebuild import Progress
     from stream.sim.plot import tune_svg
-    from stream.sim.tune import NoRecommendation, default_capacities, recommend, survey, sweep
+    from stream.sim.tune import GIB, ItemModel, Truth, advise, default_capacities, survey
 
     records, skipped = _read_records(args, "tune")
     events = [(r.position, r.event) for r in records]
     items, embeddings = _numbers(args.items, "--items"), _numbers(args.embeddings, "--embeddings")
+    per_embedding = _bytes_per_embedding(args.bytes_per_embedding)
     facts = survey(events)
     if not facts.placed:
         raise SystemExit("tune: no placements recorded: nothing to tune")
-    truth, mean = args.encoder_cache_size, args.mean_item_embeddings
-    if mean is not None and (mean <= 0 or truth is None or facts.sizes_known):
+    encoder_size, mean, gib = args.encoder_cache_size, args.mean_item_embeddings, args.processor_cache_gb
+    if encoder_size is not None and encoder_size < 1:
+        raise SystemExit("tune: --encoder-cache-size must be at least 1 embedding")
+    if gib < 0:
+        raise SystemExit("tune: --processor-cache-gb must be 0 (disabled) or more")
+    if mean is not None and (mean <= 0 or facts.sizes_known):
         raise SystemExit("tune: --mean-item-embeddings must be positive" if mean <= 0 else
-                         "tune: --mean-item-embeddings goes with --encoder-cache-size" if truth is None else
                          "tune: --mean-item-embeddings is for items without sizes; "
                          f"{facts.placed - facts.unsized:,} of these {facts.placed:,} placed items "
                          "carry theirs: leave it out")
-    if truth is not None and mean is None and not facts.sizes_known:
+    if encoder_size is not None and mean is None and not facts.sizes_known:
         raise SystemExit(
             f"tune: {facts.unsized:,} of {facts.placed:,} placed items carry no size (size 1: the "
             "chat_completions and generate sources), so a true cache of --encoder-cache-size "
             "embeddings cannot be replayed with them: give --mean-item-embeddings N (the servers' "
             "mean embeddings per item), or leave out --encoder-cache-size for an upper bound")
-    capacities = default_capacities(truth)
+    model = ItemModel(mean, per_embedding)
+    truths: list[Truth] = []
+    not_replayed: dict[str, str] = {}
+    if not facts.sizes_known and mean is None:
+        unsized = (f"not replayed: {facts.unsized:,} of {facts.placed:,} placed items carry no size "
+                   "(size 1: the chat_completions and generate sources); give --mean-item-embeddings N "
+                   "(the servers' mean embeddings per item) to replay it")
+        not_replayed = {"processor": unsized, "encoder": unsized}
+    else:
+        if gib > 0:
+            truths.append(Truth("processor", round(gib * GIB), model))
+        else:
+            not_replayed["processor"] = ("not replayed: --processor-cache-gb 0 (vLLM then keeps no "
+                                         "processor cache)")
+        truths.append(Truth("encoder", encoder_size or DEFAULT_ENCODER_CACHE_SIZE, model))
+    capacities = default_capacities()
     if items is not None:
         capacities = [c for c in capacities if c.mode != "items"] + [Capacity("items", n) for n in items]
     if embeddings is not None:
         capacities = [c for c in capacities if c.mode != "size"] + [Capacity("size", n) for n in embeddings]
-    if mean is not None and truth is not None:  # what docs/simulation.md says to configure
-        sized_to_cache = capacity_for_encoder_cache(truth, mean)
-        if sized_to_cache not in capacities:
-            capacities.append(sized_to_cache)
-    progress = Progress(len(events) * len(capacities))
+    progress = Progress(len(events) * (len(capacities) + 2 * len(truths)))
     done = 0
 
     def advance(n: int) -> None:
@@ -356,40 +411,131 @@ def _tune(args: argparse.Namespace) -> None:
         done += n
         progress.update(done)
 
-    rows = sweep(events, capacities, truth, on_progress=advance,
-                 truth_item_size=None if mean is None else max(1, round(mean)))
+    report = advise(events, capacities, truths, _hit_costs(), facts=facts, not_replayed=not_replayed,
+                    layer=args.layer, min_repeats=args.min_repeats, on_progress=advance)
     progress.update(done, final=True)
-    try:
-        choice, refused = recommend(rows, truth, facts=facts, min_repeats=args.min_repeats), None
-    except NoRecommendation as exc:
-        choice, refused = None, str(exc)
-    if args.plot and choice is not None:
-        title = f"hit ratio against capacity over {rows[0].placed:,} placed items"
-        Path(args.plot).write_text(tune_svg(rows, choice, title))
+    assumed = encoder_size is None and any(t.layer == "encoder" for t in truths)
+    if args.plot and report.choice is not None:
+        against = "" if report.target is None else f", false hits against the {report.target} layer"
+        title = f"hit ratio against capacity over {facts.placed:,} placed items{against}"
+        Path(args.plot).write_text(tune_svg(report.rows, report.choice, title))
     if args.format == "json":
-        doc = {"rows": [{"mode": r.capacity.mode, "capacity": r.capacity.per_endpoint, "placed": r.placed,
-                         "hits": r.hits, "hit_ratio": r.hit_ratio, "false_hits": r.false_hits,
-                         "false_hit_rate": r.false_hit_rate, "missed_hits": r.missed_hits} for r in rows],
-               "log": {"events": facts.events, "placed": facts.placed, "repeats": facts.repeats,
-                       "unsized": facts.unsized},
-               "recommended": None if choice is None else {
-                   "mode": choice.row.capacity.mode, "capacity": choice.row.capacity.per_endpoint,
-                   "reason": choice.reason},
-               "skipped": skipped}
-        if refused is not None:
-            doc["refused"] = refused
-        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(orjson.dumps(tune_document(report, skipped, assumed),
+                                      option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        print(format_tune(rows, choice, skipped, facts))
-        if args.plot and choice is not None:
+        print(format_tune(report, skipped, assumed))
+        if args.plot and report.choice is not None:
             print(f"plot: {args.plot}")
-    if refused is not None:
+    if report.refused is not None:
         sys.stdout.flush()
-        raise SystemExit(f"tune: {refused}")
+        raise SystemExit(f"tune: {report.refused}")
 
 
-def format_tune(rows: Sequence, choice, skipped: dict[str, int], facts=None) -> str:  # type: ignore[no-untyped-def,type-arg]
-    """The terminal table and the recommendation (none when ``choice`` is None)."""
+def _hit_costs():  # type: ignore[no-untyped-def]
+    """What a hit saves per layer: the simulated fleet's engine costs."""
+    from stream.sim.fleet import FleetSpec
+
+    return FleetSpec().costs
+
+
+def _flag(capacity: Capacity) -> str:
+    """The serve flag and value that configure ``capacity``."""
+    if capacity.mode == "size":
+        return f"--cache-size-embeddings-per-server {capacity.per_endpoint}"
+    return f"--cache-size-mb-per-server {capacity.per_endpoint * MB_PER_ITEM}"
+
+
+def _row_doc(row) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    return {"mode": row.capacity.mode, "capacity": row.capacity.per_endpoint, "placed": row.placed,
+            "hits": row.hits, "hit_ratio": row.hit_ratio, "false_hits": row.false_hits,
+            "false_hit_rate": row.false_hit_rate, "missed_hits": row.missed_hits, "layer": row.layer}
+
+
+def _choice_doc(choice) -> dict[str, object] | None:  # type: ignore[no-untyped-def]
+    if choice is None:
+        return None
+    return {"mode": choice.row.capacity.mode, "capacity": choice.row.capacity.per_endpoint,
+            "flag": _flag(choice.row.capacity), "reason": choice.reason}
+
+
+def tune_document(report, skipped: dict[str, int], assumed: bool = False) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """``tune --format json``: the target layer's rows and recommendation at the top (as
+    before layers), every layer under ``layers``."""
+    from stream.sim.tune import saved_ms
+
+    facts = report.facts
+    layers: dict[str, object] = {}
+    for advice in report.layers:
+        if advice.replay is None:
+            layers[advice.layer] = {"replayed": False, "reason": advice.refused}
+            continue
+        truth = advice.replay.truth
+        layers[advice.layer] = {
+            "replayed": True, "truth": truth.describe(), "capacity": truth.capacity,
+            "unit": "bytes" if truth.layer == "processor" else "embeddings",
+            "assumed": assumed and truth.layer == "encoder",
+            "true_hits": advice.replay.hits, "saved_ms": saved_ms(advice.replay, _hit_costs()),
+            "rows": [_row_doc(r) for r in advice.rows], "recommended": _choice_doc(advice.choice),
+            "refused": advice.refused}
+        if truth.layer == "processor":
+            layers[advice.layer]["bytes_per_embedding"] = dict(truth.items.bytes_per_embedding)  # type: ignore[index]
+    doc: dict[str, object] = {
+        "rows": [_row_doc(r) for r in report.rows],
+        "log": {"events": facts.events, "placed": facts.placed, "repeats": facts.repeats,
+                "unsized": facts.unsized},
+        "target": {"layer": report.target, "reason": report.target_reason},
+        "recommended": _choice_doc(report.choice),
+        "layers": layers,
+        "skipped": skipped}
+    if report.refused is not None:
+        doc["refused"] = report.refused
+    return doc
+
+
+def format_tune(report, skipped: dict[str, int], assumed: bool = False) -> str:  # type: ignore[no-untyped-def]
+    """The terminal report: a table per replayed layer with its best capacity (or why
+    none), why the others are not replayed, then the target layer and its recommendation
+    (none when ``report.choice`` is None)."""
+    lines: list[str] = []
+    if report.target is None:
+        lines.extend(_table(report.rows, report.choice, "  <- recommended"))
+    for advice in report.layers:
+        if lines:
+            lines.append("")
+        if advice.replay is None:
+            lines.append(f"{advice.layer} layer: {advice.refused}")
+            continue
+        guess = (" (assumed: vLLM's default on GPUs of 70 GiB or more, 2,048 on others; give the "
+                 "servers' own with --encoder-cache-size)" if assumed and advice.layer == "encoder" else "")
+        lines.append(f"{advice.layer} layer: {advice.replay.truth.describe()}{guess} per server held "
+                     f"{advice.replay.hits:,} of {report.facts.repeats:,} repeat placements")
+        mark = "  <- recommended" if advice.layer == report.target else "  <- best for this layer"
+        lines.extend(_table(advice.rows, advice.choice, mark))
+        if advice.choice is not None:
+            lines.append(f"{advice.layer}: {_flag(advice.choice.row.capacity)} ({_capacity(advice.choice)}): "
+                         f"{advice.choice.reason}")
+        else:
+            lines.append(f"{advice.layer}: {advice.refused}")
+    facts = report.facts
+    lines.append("")
+    lines.append(f"log: {facts.events:,} events, {facts.placed:,} placed items, {facts.repeats:,} "
+                 f"repeats (placed again on an endpoint that had them), {facts.unsized:,} without a size")
+    if report.target is not None:
+        lines.append(f"target: the {report.target} layer, {report.target_reason} (--layer to choose)")
+    if report.choice is not None:
+        layer = "" if report.target is None else f" for the {report.target} layer"
+        lines.append(f"recommended{layer}: {_flag(report.choice.row.capacity)} ({_capacity(report.choice)}): "
+                     f"{report.choice.reason}")
+    if skipped:
+        lines.append(f"skipped records (as the worker skips them): {skipped}")
+    return "\n".join(lines)
+
+
+def _capacity(choice) -> str:  # type: ignore[no-untyped-def]
+    return f"{choice.row.capacity.mode} mode, {choice.row.capacity.per_endpoint:,} per endpoint"
+
+
+def _table(rows: Sequence, choice, mark: str) -> list[str]:  # type: ignore[no-untyped-def,type-arg]
     truth = any(r.false_hits is not None for r in rows)
     head = f"{'mode':<6}{'capacity':>10}{'hit ratio':>11}" + (
         f"{'false-hit rate':>16}{'missed hits':>13}" if truth else "")
@@ -398,20 +544,8 @@ def format_tune(rows: Sequence, choice, skipped: dict[str, int], facts=None) -> 
         line = f"{r.capacity.mode:<6}{r.capacity.per_endpoint:>10,}{r.hit_ratio:>11.3f}"
         if truth:
             line += f"{r.false_hit_rate:>16.3f}{r.missed_hits:>13,}"
-        mark = "  <- recommended" if choice is not None and r is choice.row else ""
-        lines.append(line + mark)
-    if facts is not None:
-        lines.append(f"log: {facts.events:,} events, {facts.placed:,} placed items, {facts.repeats:,} "
-                     f"repeats (placed again on an endpoint that had them), {facts.unsized:,} without a size")
-    if choice is not None:
-        flag = ("--cache-size-embeddings-per-server" if choice.row.capacity.mode == "size"
-                else "--cache-size-mb-per-server")
-        value = choice.row.capacity.per_endpoint * (MB_PER_ITEM if choice.row.capacity.mode == "items" else 1)
-        lines.append(f"recommended: {flag} {value} ({choice.row.capacity.mode} mode, "
-                     f"{choice.row.capacity.per_endpoint:,} per endpoint): {choice.reason}")
-    if skipped:
-        lines.append(f"skipped records (as the worker skips them): {skipped}")
-    return "\n".join(lines)
+        lines.append(line + (mark if choice is not None and r is choice.row else ""))
+    return lines
 
 
 # -- export --------------------------------------------------------------------------------

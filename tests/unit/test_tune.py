@@ -7,6 +7,9 @@ placement each. By hand, hits (the item still in the endpoint's LRU when placed 
 - size mode, 7 embeddings: the 3rd only (z's 5 evicts y then x).
 - A true encoder cache of 7 (references dropped at once) holds x at the 3rd placement
   only: so 2 entries has 1 false hit (the 5th), 4 entries 2 (5th, 6th), 1 entry misses 1.
+- A true processor cache of 4 GiB holds all three (a few hundred KB): every repeat is a
+  true hit there; the index sized to it (4 GiB / 9,408 bytes per image embedding =
+  456,522 embeddings, added to the sweep) holds them too, and so does 4 entries.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from stream.core.events import EndpointDeleted, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.sim.commands import add_commands
 from stream.sim.eventlog import Recorded, read_jsonl, write_jsonl
-from stream.sim.tune import MIN_REPEATS, NoRecommendation, recommend, survey, sweep
+from stream.sim.tune import MIN_REPEATS, NoRecommendation, Truth, recommend, replay_layer, survey, sweep
 
 SIZES = {"x": 3, "y": 4, "z": 5}
 ORDER = ["x", "y", "x", "z", "x", "y"]
+PROCESSOR_OWN = 4 * 2**30 // 9408  # the index the size of a 4 GiB processor cache, in embeddings
 
 
 def _records() -> list[Recorded]:
@@ -52,20 +56,30 @@ def test_tune_from_a_file_gives_the_hand_worked_hit_ratios_and_false_hits(tmp_pa
     trace = _export(tmp_path / "events.jsonl", _records())
     _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
           "--encoder-cache-size", "7", "--plot", str(tmp_path / "t.svg"), "--format", "json",
-          "--min-repeats", "3"])
+          "--min-repeats", "1", "--layer", "encoder"])
     doc = json.loads(capsys.readouterr().out)
     rows = {(r["mode"], r["capacity"]): r for r in doc["rows"]}
+    assert all(r["layer"] == "encoder" for r in doc["rows"])
     assert {k: r["hits"] for k, r in rows.items()} == {
-        ("items", 1): 0, ("items", 2): 2, ("items", 4): 3, ("size", 7): 1}
+        ("items", 1): 0, ("items", 2): 2, ("items", 4): 3, ("size", 7): 1, ("size", PROCESSOR_OWN): 3}
     assert all(r["placed"] == 6 for r in rows.values())
     assert rows[("items", 2)]["hit_ratio"] == pytest.approx(2 / 6)
     assert {k: r["false_hits"] for k, r in rows.items()} == {
-        ("items", 1): 0, ("items", 2): 1, ("items", 4): 2, ("size", 7): 0}
+        ("items", 1): 0, ("items", 2): 1, ("items", 4): 2, ("size", 7): 0, ("size", PROCESSOR_OWN): 2}
     assert {k: r["missed_hits"] for k, r in rows.items()} == {
-        ("items", 1): 1, ("items", 2): 0, ("items", 4): 0, ("size", 7): 0}
+        ("items", 1): 1, ("items", 2): 0, ("items", 4): 0, ("size", 7): 0, ("size", PROCESSOR_OWN): 0}
     assert rows[("items", 4)]["false_hit_rate"] == pytest.approx(2 / 3)
     # size mode at the true size agrees on every placement: no wrong answer
     assert doc["recommended"]["mode"] == "size" and doc["recommended"]["capacity"] == 7
+    assert doc["target"]["layer"] == "encoder" and doc["layers"]["encoder"]["true_hits"] == 1
+    # the processor cache held every repeat: no false hit at 4 or more entries, 4 GiB's own wins the tie
+    processor = {(r["mode"], r["capacity"]): r for r in doc["layers"]["processor"]["rows"]}
+    assert doc["layers"]["processor"]["true_hits"] == 3
+    assert {k: (r["false_hits"], r["missed_hits"]) for k, r in processor.items()} == {
+        ("items", 1): (0, 3), ("items", 2): (0, 1), ("items", 4): (0, 0), ("size", 7): (0, 2),
+        ("size", PROCESSOR_OWN): (0, 0)}
+    assert doc["layers"]["processor"]["recommended"]["flag"] == (
+        f"--cache-size-embeddings-per-server {PROCESSOR_OWN}")
     svg = (tmp_path / "t.svg").read_text()
     assert svg.startswith("<svg") and "polyline" in svg and "recommended" in svg
 
@@ -73,11 +87,15 @@ def test_tune_from_a_file_gives_the_hand_worked_hit_ratios_and_false_hits(tmp_pa
 def test_the_table_marks_the_recommendation_and_names_the_flag(tmp_path, capsys):
     trace = _export(tmp_path / "events.jsonl", _records())
     _run(["tune", "--input", str(trace), "--items", "1,2,4", "--embeddings", "7",
-          "--encoder-cache-size", "7", "--plot", "", "--min-repeats", "3"])
+          "--encoder-cache-size", "7", "--plot", "", "--min-repeats", "1", "--layer", "encoder"])
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "<- recommended" in line)
     assert line.split()[:2] == ["size", "7"]
-    assert "recommended: --cache-size-embeddings-per-server 7" in out
+    assert "recommended for the encoder layer: --cache-size-embeddings-per-server 7" in out
+    # the other layer's best is marked as its own, not as the recommendation
+    best = next(line for line in out.splitlines() if "<- best for this layer" in line)
+    assert best.split()[:2] == ["size", f"{PROCESSOR_OWN:,}"]
+    assert f"processor: --cache-size-embeddings-per-server {PROCESSOR_OWN} (size mode" in out
 
 
 def test_without_the_true_size_the_smallest_capacity_near_the_best_is_recommended():
@@ -110,8 +128,11 @@ def test_a_deleted_endpoint_starts_empty_in_the_index_and_in_the_true_cache():
     events = [(r.position, r.event) for r in _records()[:2]]
     events.append((Position(0, 2), EndpointDeleted(endpoint="ns/a")))
     events.append((Position(0, 3), ItemsPlaced(endpoint="ns/a", items=[Item("x", 3, "image")])))
-    (row,) = sweep(events, [Capacity("items", 8)], truth_size=100)
-    assert row.hits == 0 and row.false_hits == 0 and row.missed_hits == 0
+    replays = [replay_layer(events, Truth("encoder", 100)), replay_layer(events, Truth("processor", 2**30))]
+    rows = sweep(events, [Capacity("items", 8)], replays)
+    assert [row.layer for row in rows] == ["encoder", "processor"]
+    assert all(row.hits == 0 and row.false_hits == 0 and row.missed_hits == 0 for row in rows)
+    assert [r.hits for r in replays] == [0, 0]
 
 
 def test_tune_refuses_without_a_source_or_with_no_placements(tmp_path, monkeypatch):
@@ -147,7 +168,7 @@ def test_a_trace_written_by_simulate_is_read_by_tune_with_every_placed_item(tmp_
         by_partition.setdefault(record.position.partition, []).append(record.position.offset)
     assert all(offsets == list(range(len(offsets))) for offsets in by_partition.values())
     _run(["tune", "--input", str(trace), "--items", "4", "--embeddings", "8192", "--plot", "",
-          "--format", "json", "--min-repeats", "0"])
+          "--format", "json", "--min-repeats", "0", "--processor-cache-gb", "0"])
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["mode"], r["capacity"]) for r in rows] == [("items", 4), ("size", 8192)]
     assert all(r["placed"] == sum(len(rec.event.items) for rec in records) for r in rows)
@@ -222,7 +243,7 @@ def test_items_without_sizes_need_the_mean_to_be_held_to_a_true_cache(tmp_path, 
         _run(["tune", "--input", str(log), "--plot", "", "--encoder-cache-size", "8192"])
     # 8,192 embeddings of 2,048 per item: items mode of 4 (docs/simulation.md, capacity.py)
     _run(["tune", "--input", str(log), "--plot", "", "--encoder-cache-size", "8192",
-          "--mean-item-embeddings", "2048", "--items", "1,2,8", "--format", "json"])
+          "--mean-item-embeddings", "2048", "--items", "1,2,8", "--format", "json", "--layer", "encoder"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"]["mode"] == "items" and doc["recommended"]["capacity"] == 4
     rows = {(r["mode"], r["capacity"]): r for r in doc["rows"]}
