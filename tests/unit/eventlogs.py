@@ -112,3 +112,18 @@ def fold(capacity: Capacity, records: list[Record]) -> CacheState:
 
 def view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
     return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+
+
+def placement_log(placements: list[tuple[str, list[Item]]], partitions: int = 2) -> list[Record]:
+    """Placements as the service writes them: each in its endpoint's partition (Kafka's
+    key partitioner), offsets without gaps, one request id each; in the given order."""
+    from stream.core.routing import key_partition
+
+    offsets = [0] * partitions
+    log: list[Record] = []
+    for n, (endpoint, items) in enumerate(placements):
+        partition = key_partition(endpoint.encode(), partitions)
+        log.append((Position(partition, offsets[partition]),
+                    ItemsPlaced(endpoint=endpoint, items=items, request_id=f"r{n}")))
+        offsets[partition] += 1
+    return log
