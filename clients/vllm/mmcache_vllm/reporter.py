@@ -1,0 +1,370 @@
+"""Carries engine events from vLLM's scheduler thread to mmcache without ever slowing it.
+
+Two threads, no lock between them:
+
+- The scheduler thread (``stored``, ``removed``, ``cleared``) appends one tuple per item
+  to a deque and returns: no I/O, no lock, O(1) per item. When the deque is full the
+  item is dropped and counted.
+- A daemon sender thread wakes every ``interval_s``, takes up to ``batch_size`` items at
+  a time, folds runs of one type into one event and POSTs them with a short timeout.
+  A POST that fails (refused, timed out, any answer but 2xx) loses its items; they are
+  counted, never retried.
+
+Once anything was lost, mmcache's view of this server is wrong until it is rebuilt, so
+the reporter *resyncs*: the sender asks for a snapshot (after a back-off that doubles on
+each failure), the scheduler thread takes it at the end of its next scheduling pass (a
+copy of what the cache holds then) and appends it as a marker. The sender discards what
+came before the marker (the snapshot covers it) and sends ``cleared`` followed by
+``stored`` for every item of the snapshot, then the items queued after it. The same
+happens when the scheduler thread itself had to drop an item. Each field below is
+written by one thread only; the other only reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .config import ReporterConfig
+
+__all__ = ["Counters", "EngineEventReporter", "Item", "LOGGER_NAME"]
+
+# a child of vLLM's logger, so that the plugin's lines are in vLLM's log, in its format
+LOGGER_NAME = "vllm.mmcache_vllm"
+log = logging.getLogger(LOGGER_NAME)
+
+MAX_HASH_CHARS = 256
+MAX_MODALITY_CHARS = 64
+MAX_SIZE = 2**31 - 1
+
+Item = tuple[str, int, "str | None"]
+"""One cache entry as the service takes it: (hash, size in embeddings, modality)."""
+
+_CLEARED = ("c",)
+
+
+class _Snapshot:
+    """A marker in the queue: everything the cache held when it was appended."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What became of what the scheduler reported; a stored item, a removed hash and a
+    cleared event count one each.
+
+    - Each report is one of ``queued``, ``dropped_queue_full`` or ``unreportable`` (a hash
+      over 256 characters, a size outside 1 to 2^31-1: the service would refuse it).
+    - What was queued is ``sent`` (mmcache answered 2xx), ``unsent`` (its POST failed, or a
+      snapshot superseded it) or still on its way.
+    - ``resynced``: snapshot items delivered (``cleared`` and ``stored`` for each);
+      ``resyncs``: snapshots delivered whole.
+    - ``errors``: exceptions caught inside the plugin, on either thread.
+    """
+
+    queued: int
+    dropped_queue_full: int
+    unreportable: int
+    sent: int
+    unsent: int
+    resynced: int
+    posts_ok: int
+    posts_failed: int
+    resyncs: int
+    errors: int
+    queue_length: int
+    resync_pending: bool
+
+    @property
+    def dropped(self) -> int:
+        """Items that never reached mmcache, whatever the reason."""
+        return self.dropped_queue_full + self.unsent
+
+
+class EngineEventReporter:
+    """Queue, sender thread and counters for one scheduler's encoder cache.
+
+    ``snapshot`` is called on the scheduler thread only, from within a reporting call,
+    and returns every item the cache holds at that moment.
+    """
+
+    def __init__(self, config: ReporterConfig, snapshot: Callable[[], list[Item]]) -> None:
+        self.config = config
+        self._snapshot = snapshot
+        self._queue: deque[tuple | _Snapshot] = deque([_CLEARED])  # a restarted engine starts empty
+        # written by the scheduler thread
+        self._queued = 1
+        self._dropped_queue_full = 0
+        self._unreportable = 0
+        self._scheduler_errors = 0
+        self._last_scheduler_error: str | None = None
+        self._dirty = False  # an item was dropped here since the last snapshot
+        self._markers_queued = 0
+        self._requests_served = 0
+        # written by the sender thread
+        self._markers_taken = 0
+        self._requests = 0  # snapshots asked for
+        self._sent = 0
+        self._unsent = 0
+        self._resynced = 0
+        self._posts_ok = 0
+        self._posts_failed = 0
+        self._resyncs = 0
+        self._sender_errors = 0
+        self._lost = False  # items were lost and no snapshot has been taken since
+        self._asked = False
+        self._failures = 0  # consecutive
+        self._retry_at = 0.0
+        self._resync_left = 0  # items of the snapshot being sent, still to send
+        self._outbox: deque[tuple] = deque()
+        self._logged_at = -float("inf")
+        self._told_failure = False  # a failure was logged and its end not yet
+        self._reported_errors = 0
+        self._headers = {"Content-Type": "application/json"}
+        if config.token is not None:
+            self._headers["Authorization"] = f"Bearer {config.token}"
+        self._ssl = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmcache-vllm-reporter", daemon=True)
+
+    # -- the scheduler thread ----------------------------------------------------------
+
+    def stored(self, mm_hash: str, size: int, modality: str | None) -> None:
+        """``mm_hash`` was added to the cache (call after the cache changed)."""
+        if not _reportable(mm_hash) or not 1 <= size <= MAX_SIZE:
+            self._unreportable += 1
+            return
+        if not (isinstance(modality, str) and 0 < len(modality) <= MAX_MODALITY_CHARS):
+            modality = None
+        self._offer(("s", mm_hash, size, modality))
+
+    def removed(self, hashes: Iterable[str]) -> None:
+        """These hashes left the cache. Called at the end of every scheduling pass, with
+        no hashes too: that is where a snapshot is taken when one is due."""
+        for mm_hash in hashes:
+            if _reportable(mm_hash):
+                self._offer(("r", mm_hash))
+            else:
+                self._unreportable += 1
+        self._resync_if_due()
+
+    def cleared(self) -> None:
+        """The cache was emptied."""
+        self._offer(_CLEARED)
+        self._resync_if_due()
+
+    def failed(self, exc: BaseException) -> None:
+        """The manager caught ``exc`` while reporting: counted, logged later by the sender."""
+        self._scheduler_errors += 1
+        self._last_scheduler_error = f"{type(exc).__name__}: {exc}"
+        self._dirty = True  # whatever it was reporting may be missing
+
+    def _offer(self, entry: tuple) -> None:
+        if len(self._queue) >= self.config.queue_size:
+            self._dropped_queue_full += 1
+            self._dirty = True
+        else:
+            self._queue.append(entry)
+            self._queued += 1
+
+    def _resync_if_due(self) -> None:
+        """Queues a snapshot after an item was dropped here or the sender asked for one,
+        unless one is still queued. It goes in even when the queue is full: it supersedes
+        everything before it, and there is never more than one in the queue."""
+        requests = self._requests
+        if (self._dirty or requests != self._requests_served) and self._markers_queued == self._markers_taken:
+            self._queue.append(_Snapshot(self._snapshot()))
+            self._markers_queued += 1
+            self._requests_served = requests
+            self._dirty = False
+
+    # -- reading, starting, stopping ---------------------------------------------------
+
+    def counters(self) -> Counters:
+        """A snapshot of the counters (readable from any thread)."""
+        return Counters(
+            queued=self._queued, dropped_queue_full=self._dropped_queue_full,
+            unreportable=self._unreportable, sent=self._sent, unsent=self._unsent, resynced=self._resynced,
+            posts_ok=self._posts_ok, posts_failed=self._posts_failed, resyncs=self._resyncs,
+            errors=self._scheduler_errors + self._sender_errors, queue_length=len(self._queue),
+            resync_pending=self._lost or self._dirty or self._resync_left > 0
+            or self._markers_queued != self._markers_taken)
+
+    def start(self) -> None:
+        """Starts the sender thread; says the effective settings once."""
+        log.info("mmcache-vllm: reporting the encoder cache to %s as endpoint %r (%s, batch %d, "
+                 "every %.3g s, queue %d, timeout %.3g s)", self.config.events_url, self.config.endpoint,
+                 "with a token" if self.config.token else "without a token", self.config.batch_size,
+                 self.config.interval_s, self.config.queue_size, self.config.timeout_s)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops the sender after its current POST (tests; vLLM never calls it)."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    # -- the sender thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                more = self._step()
+            except Exception as exc:  # a bug here must not kill the thread
+                self._sender_errors += 1
+                self._lose(len(self._outbox) - self._resync_left, f"{type(exc).__name__}: {exc}",
+                           posted=False)
+                more = False
+            if not more:
+                self._stop.wait(self.config.interval_s)
+
+    def _step(self) -> bool:
+        """Sends one batch if there is one; True when another one is ready right away."""
+        self._take()
+        self._log_errors()
+        if self._lost:
+            if not self._asked and time.monotonic() >= self._retry_at:
+                self._requests += 1
+                self._asked = True
+            return False
+        if not self._outbox:
+            return False
+        batch = [self._outbox.popleft() for _ in range(min(self.config.batch_size, len(self._outbox)))]
+        from_snapshot = min(self._resync_left, len(batch))
+        try:
+            failure = self._post(batch)
+        except Exception as exc:
+            self._sender_errors += 1
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is not None:
+            self._lose(len(batch) + len(self._outbox) - self._resync_left, failure, posted=True)
+            return False
+        self._posts_ok += 1
+        self._sent += len(batch) - from_snapshot
+        self._resynced += from_snapshot
+        if self._failures and self._told_failure:
+            log.warning("mmcache-vllm: %s answers again after %d failed attempts; %d items dropped "
+                        "so far, the view is resynced", self.config.events_url, self._failures,
+                        self.counters().dropped)
+            self._told_failure = False
+        self._failures = 0
+        if from_snapshot:
+            self._resync_left -= from_snapshot
+            if not self._resync_left:
+                self._resyncs += 1
+        return bool(self._outbox or self._queue)
+
+    def _take(self) -> None:
+        """Moves queued items to the outbox, up to one batch; while items are lost, drops
+        everything until a snapshot comes, which supersedes what came before it. The
+        snapshot's own items (``cleared``, then ``stored`` for each) are the first
+        ``_resync_left`` of the outbox."""
+        while self._lost or len(self._outbox) < self.config.batch_size:
+            try:
+                entry = self._queue.popleft()
+            except IndexError:
+                return
+            if isinstance(entry, _Snapshot):
+                self._markers_taken += 1
+                self._unsent += len(self._outbox) - self._resync_left
+                self._outbox.clear()
+                self._outbox.append(_CLEARED)
+                self._outbox.extend(("s", *item) for item in entry.items)
+                self._resync_left = len(self._outbox)
+                self._lost = False
+            elif self._lost:
+                self._unsent += 1
+            else:
+                self._outbox.append(entry)
+
+    def _lose(self, unsent: int, reason: str, posted: bool) -> None:
+        """The outbox (and the batch in flight) was not delivered: a snapshot is asked for
+        after the back-off, which doubles with each failure in a row."""
+        self._posts_failed += posted
+        self._unsent += unsent
+        self._outbox.clear()
+        self._resync_left = 0
+        self._lost = True
+        self._asked = False
+        self._failures += 1
+        backoff = min(self.config.interval_s * 2 ** min(self._failures - 1, 30),
+                      max(self.config.max_backoff_s, self.config.interval_s))
+        self._retry_at = time.monotonic() + backoff
+        self._warn(f"mmcache-vllm: events not delivered to {self.config.events_url}: {reason}; "
+                   f"{self.counters().dropped} items dropped so far, resyncing when it answers again")
+
+    def _post(self, batch: list[tuple]) -> str | None:
+        """POSTs one batch; None when mmcache took it, else why not (never the token)."""
+        body = json.dumps({"endpoint": self.config.endpoint, "engine": "vllm", "events": _events(batch)},
+                          separators=(",", ":")).encode()
+        request = urllib.request.Request(self.config.events_url, data=body, headers=self._headers,
+                                         method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.config.timeout_s, context=self._ssl) as answer:
+                answer.read()
+                return None
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = exc.read(300).decode(errors="replace").strip()
+            except Exception:  # the answer was cut off: its status says enough
+                detail = ""
+            return f"HTTP {exc.code} {detail}".strip()
+        except Exception as exc:  # refused, reset, timed out, bad status line, TLS
+            reason = getattr(exc, "reason", None)
+            return f"{type(exc).__name__}: {reason if reason is not None else exc}"
+
+    def _log_errors(self) -> None:
+        if self._scheduler_errors != self._reported_errors:
+            self._reported_errors = self._scheduler_errors
+            self._warn(f"mmcache-vllm: {self._scheduler_errors} errors while reporting, caught "
+                       f"(the last: {self._last_scheduler_error}); the view will be resynced")
+
+    def _warn(self, message: str) -> None:
+        """At most one warning per ``log_interval_s``; the token is never in one."""
+        now = time.monotonic()
+        if now - self._logged_at < self.config.log_interval_s:
+            return
+        self._logged_at = now
+        self._told_failure = True
+        if self.config.token:
+            message = message.replace(self.config.token, "***")
+        log.warning(message)
+
+
+def _reportable(mm_hash: object) -> bool:
+    return isinstance(mm_hash, str) and 0 < len(mm_hash) <= MAX_HASH_CHARS
+
+
+def _events(batch: list[tuple]) -> list[dict]:
+    """Runs of one type become one event, in order."""
+    events: list[dict] = []
+    for entry in batch:
+        kind = entry[0]
+        last = events[-1] if events else None
+        if kind == "s":
+            item = {"hash": entry[1], "size": entry[2]}
+            if entry[3] is not None:
+                item["modality"] = entry[3]
+            if last is not None and last["type"] == "stored":
+                last["items"].append(item)
+            else:
+                events.append({"type": "stored", "items": [item]})
+        elif kind == "r":
+            if last is not None and last["type"] == "removed":
+                last["hashes"].append(entry[1])
+            else:
+                events.append({"type": "removed", "hashes": [entry[1]]})
+        elif last is None or last["type"] != "cleared":
+            events.append({"type": "cleared"})
+    return events

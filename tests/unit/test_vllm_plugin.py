@@ -1,0 +1,598 @@
+"""clients/vllm (mmcache-vllm) against vLLM's own EncoderCacheManager from its wheel, driven
+as vLLM's scheduler drives it, reporting to a real HTTP server on 127.0.0.1.
+
+The plugin is imported from clients/vllm without being installed (its directory is put on
+sys.path here), after tests.vllm_wheel registered vLLM's module under its real name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests import vllm_wheel
+
+vllm_wheel.encoder_cache_manager()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "vllm"))
+
+from mmcache_vllm import LOGGER_NAME, ConfigError, MmcacheEncoderCacheManager, ReporterConfig  # noqa: E402
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager  # noqa: E402
+
+ENDPOINT = "default/vllm-0"
+MODALITIES = ("image", "audio", "video")
+
+
+# -- a stand-in for mmcache's POST /v1/engine-events -----------------------------------
+
+
+@dataclass
+class Post:
+    headers: dict[str, str]
+    body: dict[str, Any]
+    status: int
+
+
+class Recorder:
+    """Records every POST. ``answer`` is the status it gives; while ``hold`` is clear it
+    hangs each POST until the hold is set, then answers 503 (the plugin gave up on it
+    long before, and nothing of it was applied)."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.posts: list[Post] = []
+        self.answer = 202
+        self.hold = threading.Event()
+        self.hold.set()
+        self.lock = threading.Lock()
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                held = not recorder.hold.is_set()
+                if held:
+                    with recorder.lock:
+                        recorder.posts.append(Post(dict(self.headers), body, 0))
+                    recorder.hold.wait(60)
+                status = 503 if held else recorder.answer
+                if not held:
+                    with recorder.lock:
+                        recorder.posts.append(Post(dict(self.headers), body, status))
+                answer = b"{}" if status == 202 else b'{"error": {"code": "log_unavailable", "message": "x"}}'
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                except OSError:
+                    pass  # the plugin hung up (its timeout)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def applied(self) -> list[Post]:
+        with self.lock:
+            return [post for post in self.posts if post.status == 202]
+
+    def view(self) -> dict[str, tuple[int, str | None]]:
+        """The applied events folded as the service folds them: hash -> (size, modality)."""
+        view: dict[str, tuple[int, str | None]] = {}
+        for post in self.applied():
+            assert post.body["endpoint"] == ENDPOINT and post.body["engine"] == "vllm"
+            for event in post.body["events"]:
+                if event["type"] == "stored":
+                    for item in event["items"]:
+                        view[item["hash"]] = (item["size"], item.get("modality"))
+                elif event["type"] == "removed":
+                    for digest in event["hashes"]:
+                        view.pop(digest, None)
+                else:
+                    assert event == {"type": "cleared"}
+                    view.clear()
+        return view
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recorder():
+    server = Recorder()
+    yield server
+    server.close()
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 20.0, step: Callable[[], None] | None = None) -> Any:
+    """Polls ``condition`` until it holds, failing after ``timeout`` seconds. ``step`` runs
+    before each poll (an engine with work ends a scheduling pass now and then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if step is not None:
+            step()
+        result = condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"not within {timeout} s: {result!r}"
+        time.sleep(0.01)
+
+
+# -- vLLM's scheduler, as far as it calls the encoder cache manager ----------------------
+
+
+@dataclass(frozen=True)
+class ModalFeature(vllm_wheel.Feature):
+    """vLLM's MultiModalFeatureSpec with its modality."""
+
+    modality: str = "image"
+
+
+def make_request(request_id: str, items: list[tuple[str, int, str]]) -> vllm_wheel.Request:
+    features, offset = [], 0
+    for identifier, size, modality in items:
+        offset += 3
+        features.append(ModalFeature(identifier, vllm_wheel.Position(offset, size), modality))
+        offset += size
+    return vllm_wheel.Request(request_id, features)
+
+
+def vllm_config(**manager_config: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        ec_manager_config=SimpleNamespace(encoder_cache_manager_cls="mmcache_vllm.MmcacheEncoderCacheManager",
+                                          manager_config=manager_config),
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_external_lb=False))
+
+
+@pytest.fixture
+def make_manager():
+    made: list[MmcacheEncoderCacheManager] = []
+
+    def make(url: str, cache_size: int = 4000, **settings: Any) -> MmcacheEncoderCacheManager:
+        settings = {"url": url, "endpoint": ENDPOINT, "interval_s": 0.01, **settings}
+        manager = MmcacheEncoderCacheManager.create_manager(cache_size=cache_size,
+                                                            vllm_config=vllm_config(**settings))
+        made.append(manager)
+        return manager
+
+    yield make
+    for manager in made:
+        manager.reporter.stop(5)
+
+
+class Scheduler:
+    """Calls the manager in the order vLLM's scheduler does (``_try_schedule_encoder_inputs``
+    per request, then ``_allocate_encoder_inputs``; ``free`` for a request that finished,
+    was preempted or got no KV blocks; ``get_freed_mm_hashes`` at the end of every pass;
+    ``reset`` when weights change). Each item hash has one size and one modality."""
+
+    def __init__(self, manager: EncoderCacheManager, seed: int, pool: int = 120, budget: int = 1600) -> None:
+        self.manager = manager
+        self.random = random.Random(seed)
+        self.items = [(f"h{seed}-{n}", self.random.randint(40, 400), self.random.choice(MODALITIES))
+                      for n in range(pool)]
+        self.budget = budget
+        self.running: list[vllm_wheel.Request] = []
+        self.next_id = 0
+        self.durations: list[float] = []
+        self.stored = 0  # allocations of an entry the manager did not hold
+        self.evicted = 0
+        self.resets = 0
+
+    def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            self.durations.append(time.perf_counter() - started)
+
+    def new_request(self) -> vllm_wheel.Request:
+        self.next_id += 1
+        count = self.random.choice((1, 1, 2, 3))
+        chosen = [self.items[min(int(self.random.expovariate(0.04)), len(self.items) - 1)] for _ in range(count)]
+        return make_request(f"r{self.next_id}", chosen)
+
+    def schedule(self, request: vllm_wheel.Request, budget: int) -> tuple[list[int], int]:
+        manager, to_allocate, duplicates, in_pass = self.manager, [], [], {}
+        embeds = 0
+        for i, feature in enumerate(request.mm_features):
+            size = feature.mm_position.get_num_embeds()
+            if feature.identifier in in_pass:
+                duplicates.append(i)
+                continue
+            self.call(manager.get_cached_num_encoder_embeds, request, i)
+            if self.call(manager.check_and_update_cache, request, i):
+                continue
+            if not self.call(manager.can_allocate, request, i, budget, embeds):
+                break
+            embeds += size
+            budget -= size
+            in_pass[feature.identifier] = size
+            to_allocate.append(i)
+        if self.random.random() < 0.1:  # no KV blocks for it: vLLM untouches the request
+            self.call(manager.free, request)
+            return [], budget
+        for i in to_allocate:
+            self.stored += request.mm_features[i].identifier not in manager.cached
+            self.call(manager.allocate, request, i)
+        for i in duplicates:
+            self.call(manager.check_and_update_cache, request, i)
+        return to_allocate, budget
+
+    def step(self) -> list[str]:
+        """One scheduling pass; returns what the workers are told to drop."""
+        budget = self.budget
+        for request in list(self.running):
+            if self.random.random() < 0.4:  # finished (or preempted): its references go
+                self.call(self.manager.free, request)
+                self.running.remove(request)
+        for _ in range(self.random.randint(0, 3)):
+            request = self.new_request()
+            _, budget = self.schedule(request, budget)
+            self.running.append(request)
+        freed = self.call(self.manager.get_freed_mm_hashes)
+        self.evicted += len(freed)
+        if self.random.random() < 0.01:
+            self.call(self.manager.reset)
+            self.running.clear()
+            self.resets += 1
+        return freed
+
+    def holdings(self) -> dict[str, tuple[int, str | None]]:
+        """What the manager holds, with each item's modality as the requests gave it."""
+        modality = {digest: kind for digest, _, kind in self.items}
+        return {digest: (size, modality[digest]) for digest, size in self.manager.num_embeds_by_hash.items()}
+
+    def reports(self) -> int:
+        """What the manager had to report: each new entry, each hash dropped, each reset."""
+        return self.stored + self.evicted + self.resets
+
+    def idle_pass(self) -> None:
+        self.call(self.manager.get_freed_mm_hashes)
+
+
+# -- the view equals what the manager holds ---------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_trace_folds_to_what_the_manager_holds(recorder, make_manager, seed):
+    manager = make_manager(recorder.url, batch_size=64)
+    scheduler = Scheduler(manager, seed)
+    for _ in range(600):
+        scheduler.step()
+    assert scheduler.evicted > 50 and len(manager.num_embeds_by_hash) > 5  # the trace evicts
+    expected = scheduler.holdings()
+    assert set(expected) == set(manager.cached)
+    wait_for(lambda: recorder.view() == expected)
+    counters = wait_for(lambda: (c := manager.reporter.counters()).sent == c.queued and c)
+    assert (counters.dropped, counters.unreportable, counters.errors, counters.resyncs) == (0, 0, 0, 0)
+    removed = {h for post in recorder.applied() for e in post.body["events"] if e["type"] == "removed"
+               for h in e["hashes"]}
+    assert len(removed) > 20  # evictions were reported
+    first = recorder.applied()[0].body["events"][0]
+    assert first == {"type": "cleared"}  # a (re)started engine holds nothing yet
+
+
+def test_removed_is_what_the_workers_drop(recorder, make_manager):
+    """An eviction is reported at the end of its pass (get_freed_mm_hashes); an entry
+    evicted and allocated again in the same pass is never reported removed, and keeps
+    its newer size."""
+    manager = make_manager(recorder.url, cache_size=100)
+    a, b = make_request("r1", [("a", 60, "image")]), make_request("r2", [("b", 40, "audio")])
+    for request in (a, b):
+        assert manager.can_allocate(request, 0, 1000, 0)
+        manager.allocate(request, 0)
+    manager.free(a)
+    manager.free(b)
+    assert manager.get_freed_mm_hashes() == []
+    wait_for(lambda: recorder.view() == {"a": (60, "image"), "b": (40, "audio")})
+
+    c = make_request("r3", [("c", 50, "video")])
+    assert manager.can_allocate(c, 0, 1000, 0)  # evicts a (oldest freeable) only
+    manager.allocate(c, 0)
+    assert manager.freed == ["a"]
+    again = make_request("r4", [("a", 50, "image")])  # a reused uuid: same hash, new size
+    manager.free(c)
+    assert manager.can_allocate(again, 0, 1000, 0)  # evicts b (c is newer)
+    manager.allocate(again, 0)
+    posts = len(recorder.applied())
+    wait_for(lambda: manager.reporter.counters().sent == manager.reporter.counters().queued)
+    assert all("removed" not in str(post.body) for post in recorder.applied())  # not before the pass ends
+    assert manager.get_freed_mm_hashes() == ["b"]  # a was allocated again: kept
+    wait_for(lambda: recorder.view() == {"a": (50, "image"), "c": (50, "video")})
+    later = [e for post in recorder.applied()[posts:] for e in post.body["events"]]
+    assert {"type": "removed", "hashes": ["b"]} in later
+    assert not any(e["type"] == "removed" and "a" in e["hashes"] for post in recorder.applied()
+                   for e in post.body["events"])
+    assert dict(manager.num_embeds_by_hash) == {"a": 50, "c": 50}
+
+
+def test_reset_is_reported_cleared(recorder, make_manager):
+    manager = make_manager(recorder.url)
+    scheduler = Scheduler(manager, 7)
+    for _ in range(50):
+        scheduler.step()
+    manager.reset()
+    scheduler.running.clear()
+    wait_for(lambda: recorder.applied() and recorder.applied()[-1].body["events"][-1] == {"type": "cleared"})
+    assert recorder.view() == {} and manager.num_embeds_by_hash == {}
+    for _ in range(50):
+        scheduler.step()
+    wait_for(lambda: recorder.view() == scheduler.holdings())
+
+
+# -- batching ---------------------------------------------------------------------------
+
+
+def test_batches_hold_at_most_batch_size_items_one_event_per_run(recorder, make_manager):
+    manager = make_manager(recorder.url, cache_size=10**6, batch_size=16, interval_s=0.5)
+    wait_for(lambda: len(recorder.applied()) == 1)  # the start's cleared; the sender now sleeps 0.5 s
+    for n in range(100):
+        request = make_request(f"r{n}", [(f"x{n}", 5, "image")])
+        manager.allocate(request, 0)
+    manager.get_freed_mm_hashes()
+    wait_for(lambda: manager.reporter.counters().sent == 101)
+    posts = recorder.applied()[1:]
+    assert [len(post.body["events"][0]["items"]) for post in posts] == [16] * 6 + [4]
+    assert all(len(post.body["events"]) == 1 for post in posts)  # a run of stored is one event
+    assert posts[0].body["events"][0]["items"][0] == {"hash": "x0", "size": 5, "modality": "image"}
+    assert manager.reporter.counters().posts_ok == 8
+
+
+def test_mixed_batch_keeps_order(recorder, make_manager):
+    manager = make_manager(recorder.url, cache_size=100, interval_s=0.5)
+    wait_for(lambda: len(recorder.applied()) == 1)
+    first, second = make_request("r1", [("p", 60, "image")]), make_request("r2", [("q", 60, "image")])
+    manager.can_allocate(first, 0, 1000, 0)
+    manager.allocate(first, 0)
+    manager.free(first)
+    manager.get_freed_mm_hashes()
+    manager.can_allocate(second, 0, 1000, 0)  # evicts p
+    manager.allocate(second, 0)
+    manager.get_freed_mm_hashes()
+    manager.reset()
+    wait_for(lambda: len(recorder.applied()) == 2)
+    assert recorder.applied()[1].body["events"] == [  # p's eviction is told at the end of its pass
+        {"type": "stored", "items": [{"hash": "p", "size": 60, "modality": "image"},
+                                     {"hash": "q", "size": 60, "modality": "image"}]},
+        {"type": "removed", "hashes": ["p"]},
+        {"type": "cleared"}]
+
+
+# -- mmcache slow or down: the scheduler never waits, drops are counted, then resynced ----
+
+
+def test_a_hanging_service_never_slows_the_scheduler(recorder, make_manager):
+    recorder.hold.clear()
+    manager = make_manager(recorder.url, batch_size=16, queue_size=64, timeout_s=1.0, max_backoff_s=0.05)
+    scheduler = Scheduler(manager, 11)
+    wait_for(lambda: recorder.posts)  # the sender is stuck in its first POST
+    started = time.perf_counter()
+    for _ in range(1500):
+        scheduler.step()
+    took = time.perf_counter() - started
+    counters = manager.reporter.counters()
+    # every call returns long before the POST's 1 s timeout: none waited on the network
+    assert len(scheduler.durations) > 5000 and max(scheduler.durations) < 0.25, max(scheduler.durations)
+    assert took < 10, took
+    assert counters.dropped_queue_full > 0 and counters.queue_length <= 64 + 1
+    assert counters.queued + counters.dropped_queue_full == 1 + scheduler.reports()  # 1: the start's cleared
+    assert recorder.applied() == []
+
+    recorder.hold.set()  # the service answers again
+    expected = scheduler.holdings()
+    wait_for(lambda: recorder.view() == expected, step=scheduler.idle_pass)
+    counters = manager.reporter.counters()
+    assert counters.resyncs >= 1 and counters.posts_failed >= 1
+    assert counters.resynced >= len(expected) + 1
+    wait_for(lambda: (c := manager.reporter.counters()).sent + c.unsent == c.queued, step=scheduler.idle_pass)
+
+
+
+
+def test_a_service_down_then_up_gets_the_whole_view(make_manager):
+    port = unused_port()
+    manager = make_manager(f"http://127.0.0.1:{port}", batch_size=32, max_backoff_s=0.05)
+    scheduler = Scheduler(manager, 5)
+    for _ in range(300):
+        scheduler.step()
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 1, step=scheduler.step)
+    down = manager.reporter.counters()
+    assert down.unsent > 0 and down.resync_pending and down.posts_ok == 0
+
+    recorder = Recorder(port)  # it comes up
+    try:
+        for _ in range(100):
+            scheduler.step()
+        expected = scheduler.holdings()
+        wait_for(lambda: recorder.view() == expected, step=scheduler.idle_pass)
+        first = recorder.applied()[0].body
+        assert first["events"][0] == {"type": "cleared"}  # the resync starts afresh
+        counters = manager.reporter.counters()
+        assert counters.resyncs >= 1 and not counters.resync_pending and counters.errors == 0
+        assert counters.dropped > 0
+    finally:
+        recorder.close()
+
+
+def test_an_error_inside_the_plugin_is_caught_counted_and_resynced(recorder, make_manager):
+    manager = make_manager(recorder.url)
+
+    class Failing(dict):
+        def __setitem__(self, key, value):
+            raise RuntimeError("a bug in the plugin")
+
+    manager._modalities = Failing()
+    request = make_request("r1", [("e", 10, "image")])
+    manager.can_allocate(request, 0, 100, 0)
+    manager.allocate(request, 0)  # does not raise
+    assert manager.num_embeds_by_hash == {"e": 10}
+    assert manager.reporter.counters().errors == 1
+    manager._modalities = {}
+    manager.get_freed_mm_hashes()  # the end of the pass: the snapshot is taken
+    wait_for(lambda: recorder.view() == {"e": (10, None)})  # its modality was lost with the error
+    wait_for(lambda: manager.reporter.counters().resyncs == 1)
+
+
+def test_vllm_errors_pass_through(recorder, make_manager):
+    """vLLM's own asserts are its behaviour: the plugin does not swallow them."""
+    manager = make_manager(recorder.url, cache_size=10)
+    with pytest.raises(AssertionError):
+        manager.allocate(make_request("r1", [("big", 50, "image")]), 0)  # can_allocate said no
+    assert manager.reporter.counters().errors == 0
+
+
+def test_unreportable_items_are_counted_not_sent(recorder, make_manager):
+    manager = make_manager(recorder.url)
+    long_hash = "u" * 257  # over the service's 256 characters: it would refuse the whole POST
+    for n, digest in enumerate((long_hash, "ok")):
+        request = make_request(f"r{n}", [(digest, 10, "image")])
+        manager.can_allocate(request, 0, 100, 0)
+        manager.allocate(request, 0)
+    manager.get_freed_mm_hashes()
+    wait_for(lambda: recorder.view() == {"ok": (10, "image")})
+    assert manager.reporter.counters().unreportable == 1
+
+
+# -- the token and the logs -------------------------------------------------------------
+
+
+def test_token_is_sent_as_bearer_and_never_logged(recorder, make_manager, tmp_path, caplog):
+    token = "s3cret-" + "7" * 20
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"# the writers' token\n\n  {token}  \nsecond-token\n")
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    manager = make_manager(recorder.url, token_file=str(token_file), log_interval_s=0.01, max_backoff_s=0.05)
+    wait_for(lambda: recorder.applied())
+    assert recorder.applied()[0].headers["Authorization"] == f"Bearer {token}"
+
+    recorder.answer = 401  # a wrong token: refused, logged, resynced once accepted again
+    scheduler = Scheduler(manager, 3)
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 2, step=scheduler.step)
+    recorder.answer = 202
+    wait_for(lambda: recorder.view() == scheduler.holdings(), step=scheduler.idle_pass)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("HTTP 401" in message for message in messages)
+    assert any("answers again" in message for message in messages)
+    assert all(token not in message for message in messages)
+    assert token not in repr(manager.reporter.config) and token not in str(manager.reporter.counters())
+
+
+def test_warnings_at_most_once_per_log_interval(make_manager, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    manager = make_manager(f"http://127.0.0.1:{unused_port()}", log_interval_s=3600, max_backoff_s=0.01)
+    scheduler = Scheduler(manager, 4)
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 5, step=scheduler.step)
+    assert len([r for r in caplog.records if r.name == LOGGER_NAME]) == 1
+
+
+# -- configuration: bad settings fail at start, with one line naming the key ------------
+
+
+def token_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "token"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({}, "manager_config.url is required"),
+    ({"url": "mmcache:8080"}, "manager_config.url must be http:// or https://"),
+    ({"url": "ftp://mmcache"}, "manager_config.url must be http:// or https://"),
+    ({"url": "http://user:pw@mmcache"}, "must not hold credentials"),
+    ({"url": "http://mmcache", "urls": "x"}, "unknown key(s) 'urls'"),
+    ({"url": "http://mmcache", "batch_size": 0}, "manager_config.batch_size must be an integer from 1 to 1024"),
+    ({"url": "http://mmcache", "batch_size": 2048}, "manager_config.batch_size must be an integer from 1 to 1024"),
+    ({"url": "http://mmcache", "batch_size": True}, "manager_config.batch_size"),
+    ({"url": "http://mmcache", "batch_size": "16"}, "manager_config.batch_size"),
+    ({"url": "http://mmcache", "batch_size": 64, "queue_size": 10}, "manager_config.queue_size must be an integer from 64"),
+    ({"url": "http://mmcache", "interval_s": 0}, "manager_config.interval_s must be a number of seconds above 0"),
+    ({"url": "http://mmcache", "timeout_s": -1}, "manager_config.timeout_s"),
+    ({"url": "http://mmcache", "timeout_s": "1"}, "manager_config.timeout_s"),
+    ({"url": "http://mmcache", "token_file": "/nonexistent/token"}, "manager_config.token_file: /nonexistent/token is not a readable file"),
+    ({"url": "http://mmcache", "endpoint": ""}, "endpoint must be 1 to 253 characters"),
+    ({"url": "http://mmcache", "endpoint": "a" * 254}, "endpoint must be 1 to 253 characters"),
+    ({"url": "http://mmcache", "endpoint": "ns/pod\n"}, "without control characters"),
+    ({"url": "http://mmcache", "endpoint": 7}, "manager_config.endpoint must be a string"),
+])
+def test_bad_settings_fail_at_create(settings, message):
+    if settings:
+        settings = {"endpoint": ENDPOINT, **settings}
+    with pytest.raises(ConfigError) as error:
+        MmcacheEncoderCacheManager.create_manager(cache_size=100, vllm_config=vllm_config(**settings))
+    assert message in str(error.value) and str(error.value).startswith("mmcache-vllm: ")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "holds no token"),
+    ("# a remark\n\n", "holds no token"),
+    ("hunter2 again\n", "visible ASCII characters without spaces"),
+])
+def test_bad_token_files_fail_without_showing_the_file(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        ReporterConfig.from_manager_config({"url": "http://mmcache", "endpoint": ENDPOINT,
+                                            "token_file": token_file(tmp_path, text)})
+    assert message in str(error.value)
+    assert all(word not in str(error.value) for word in ("hunter2", "again", "remark"))
+
+
+def test_no_server_side_of_vllm_it_cannot_serve():
+    encoder_decoder = vllm_config(url="http://mmcache", endpoint=ENDPOINT)
+    encoder_decoder.model_config.is_encoder_decoder = True
+    with pytest.raises(ConfigError, match="encoder-decoder model"):
+        MmcacheEncoderCacheManager.create_manager(cache_size=100, vllm_config=encoder_decoder)
+    shared = vllm_config(url="http://mmcache", endpoint=ENDPOINT)
+    shared.parallel_config.data_parallel_size = 2
+    with pytest.raises(ConfigError, match="several data-parallel ranks share"):
+        MmcacheEncoderCacheManager.create_manager(cache_size=100, vllm_config=shared)
+    shared.parallel_config.data_parallel_external_lb = True  # one rank per server: fine
+    manager = MmcacheEncoderCacheManager.create_manager(cache_size=100, vllm_config=shared)
+    manager.reporter.stop(5)
+
+
+def test_endpoint_defaults_to_the_pods_namespaced_name(tmp_path):
+    def endpoint(environ: dict[str, str], namespace: str | None = None) -> str:
+        namespace_file = tmp_path / "namespace"
+        if namespace is not None:
+            namespace_file.write_text(namespace + "\n")
+        return ReporterConfig.from_manager_config({"url": "http://mmcache:8080/"}, environ, namespace_file).endpoint
+
+    assert endpoint({"POD_NAMESPACE": "serving", "POD_NAME": "vllm-0", "HOSTNAME": "other"}) == "serving/vllm-0"
+    assert endpoint({"POD_NAMESPACE": "serving", "HOSTNAME": "vllm-1"}) == "serving/vllm-1"
+    assert endpoint({"HOSTNAME": "vllm-2"}, namespace="from-service-account") == "from-service-account/vllm-2"
+    (tmp_path / "namespace").unlink()
+    with pytest.raises(ConfigError, match="POD_NAMESPACE not set"):
+        endpoint({"HOSTNAME": "vllm-3"})
+    with pytest.raises(ConfigError, match=r"POD_NAMESPACE and POD_NAME \(or HOSTNAME\) not set"):
+        endpoint({})
+    config = ReporterConfig.from_manager_config({"url": "http://mmcache:8080/", "endpoint": "x/y"}, {})
+    assert config.events_url == "http://mmcache:8080/v1/engine-events"
