@@ -2,6 +2,7 @@ package mmcache
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -258,5 +259,41 @@ func TestLiveMatchFitsTheDefaultTimeout(t *testing.T) {
 	}
 	if ok < 10 {
 		t.Errorf("%d of 20 matches answered within %v", ok, DefaultMatchTimeout)
+	}
+}
+
+func TestLiveItemUUIDsKeepTheHashesWhicheverAPICarriedTheImage(t *testing.T) {
+	c := liveClient(t)
+	eps := names(t, "pod-a", "pod-b")
+	url := "https://example.com/" + eps[0] + ".png"
+	chat := []byte(`{"model":"m","messages":[{"role":"user","content":[
+		{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"` + url + `"}}]}]}`)
+	named, err := SetItemUUIDs(chat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	uuid := partsOf(t, named, "messages")[0][1]["uuid"]
+	// the gateway sends the named body to vLLM, and places it (plain, unwrapped)
+	if _, err := c.Place(context.Background(), PlacementRequest{Endpoints: eps[:1], Body: json.RawMessage(named)}); err != nil {
+		t.Fatal(err)
+	}
+	// a match on the body without uuids, and on a Responses body with the same image URL,
+	// finds the item the named body placed: one hash for all three
+	responses := []byte(`{"model":"m","input":[{"role":"user","content":[
+		{"type":"input_text","text":"what is this?"},{"type":"input_image","image_url":"` + url + `","detail":"auto"}]}]}`)
+	for _, body := range []json.RawMessage{ChatCompletions(chat), Responses(responses), responses} {
+		resp := waitFor(t, c, MatchRequest{Endpoints: eps, Body: body}, "placement by the named body visible",
+			func(r *MatchResponse) bool { return r.Score(eps[0]) == 1 })
+		if len(resp.RequestItems) != 1 || resp.RequestItems[0].Hash != uuid || resp.RequestItems[0].Hash != ItemHash("image_url", url) {
+			t.Errorf("request_items = %+v, want the uuid %v", resp.RequestItems, uuid)
+		}
+		if resp.Score(eps[1]) != 0 {
+			t.Errorf("pod-b = %+v", resp.Endpoints[1])
+		}
+		for _, m := range resp.Endpoints {
+			if m.Source != "estimate" { // no engine reports: both are matched against their estimate
+				t.Errorf("%s source = %q, want estimate", m.Endpoint, m.Source)
+			}
+		}
 	}
 }

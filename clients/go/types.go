@@ -18,10 +18,11 @@ type Item struct {
 // MatchRequest is the body of POST /v1/match (schemas/match-request.schema.json).
 //
 // Body is the inference request as one JSON object: {"chat_completions": {...}},
-// {"generate": {...}}, {"tokenized": {...}}, or a plain OpenAI chat-completions body
-// (a top-level "messages" list). Any value encoding/json marshals to an object
-// will do: a map, a struct, or a json.RawMessage of the bytes the gateway holds
-// (see ChatCompletions).
+// {"responses": {...}}, {"generate": {...}}, {"tokenized": {...}}, or a plain OpenAI
+// body: chat completions (a top-level "messages" list) or Responses (a top-level
+// "input" list). Any value encoding/json marshals to an object will do: a map, a
+// struct, or a json.RawMessage of the bytes the gateway holds (see ChatCompletions
+// and Responses).
 type MatchRequest struct {
 	Endpoints []string `json:"endpoints"`
 	Body      any      `json:"body"`
@@ -41,12 +42,17 @@ type MatchResponse struct {
 //
 // MatchedWeight is the sum of the sizes of MatchedItems, TotalWeight the sum of the
 // sizes of all the request's items, and Score = MatchedWeight / TotalWeight in [0, 1].
+//
+// Source says what the endpoint was matched against: "engine" (the cache its model
+// server reported through /v1/engine-events) or "estimate" (its LRU of placements).
+// It is "" from a service that does not say, and in NoMatch's answers.
 type EndpointMatch struct {
 	Endpoint      string  `json:"endpoint"`
 	MatchedItems  []Item  `json:"matched_items"`
 	MatchedWeight int64   `json:"matched_weight"`
 	TotalWeight   int64   `json:"total_weight"`
 	Score         float64 `json:"score"`
+	Source        string  `json:"source,omitempty"`
 }
 
 // Score is the score of endpoint, 0 when the answer does not name it (an unknown
@@ -173,6 +179,10 @@ type errorBody struct {
 // ChatCompletions wraps the raw bytes of an OpenAI chat-completions request body as
 // a match or placement body: {"chat_completions": <raw>}.
 func ChatCompletions(raw []byte) json.RawMessage { return wrap("chat_completions", raw) }
+
+// Responses wraps the raw bytes of an OpenAI Responses request body ({"input": [...]})
+// as a match or placement body: {"responses": <raw>}.
+func Responses(raw []byte) json.RawMessage { return wrap("responses", raw) }
 
 // Generate wraps the raw bytes of a vLLM generate request ({"features": {"mm_hashes": ...}}).
 func Generate(raw []byte) json.RawMessage { return wrap("generate", raw) }

@@ -9,10 +9,13 @@ so a gateway that sets the uuid, mmcache and the engine's own cache reports agre
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
+import orjson
 import pytest
 
-from stream.core.items import InvalidField, Item, extract_items
+from stream.core.items import InvalidField, Item, extract_items, media_hash
 from tests.unit.openai_bodies import sdk_body
 
 
@@ -123,3 +126,17 @@ def test_tokenized_and_generate_already_carry_hashes_and_ignore_a_uuid():
     assert extract_items({"tokenized": {"prompts": [{"mm_features": [feature]}]}}) == [Item("h1", 1, "image")]
     body = {"generate": {"features": {"mm_hashes": {"image": ["h2"]}, "uuid": "ignored"}}}
     assert extract_items(body) == [Item("h2", 1, "image")]
+
+
+def test_the_gateway_guides_uuid_examples_give_the_items_they_show():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    section = page[page.index("## One identity"):page.index("## Tokens and TLS")]
+    blocks = re.findall(r"```\nPOST (\S+)\n(\{.*?\})\n\n(\d{3})\n(\{.*?\})\n```", section, re.S)
+    assert [(path, status) for path, _, status, _ in blocks] == [("/v1/match", "200"), ("/v1/placements", "202")]
+    (_, match, _, answer), (_, placement, _, accepted) = blocks
+    shown = orjson.loads(answer)["request_items"]
+    cat = media_hash("image_url", "https://example.com/cat.png")
+    assert [Item(**item) for item in shown] == [Item(cat, 1, "image")]
+    assert extract_items(orjson.loads(match)["body"]) == extract_items(orjson.loads(placement)["body"]) == \
+        [Item(cat, 1, "image")]
+    assert orjson.loads(accepted) == {"events": 1}
