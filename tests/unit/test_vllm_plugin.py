@@ -472,7 +472,7 @@ def test_vllm_errors_pass_through(recorder, make_manager):
 
 
 def test_unreportable_items_are_counted_not_sent(recorder, make_manager):
-    manager = make_manager(recorder.url)
+    manager = make_manager(recorder.url, max_backoff_s=0.05)
     long_hash = "u" * 257  # over the service's 256 characters: it would refuse the whole POST
     for n, digest in enumerate((long_hash, "ok")):
         request = make_request(f"r{n}", [(digest, 10, "image")])
@@ -481,6 +481,15 @@ def test_unreportable_items_are_counted_not_sent(recorder, make_manager):
     manager.get_freed_mm_hashes()
     wait_for(lambda: recorder.view() == {"ok": (10, "image")})
     assert manager.reporter.counters().unreportable == 1
+    recorder.answer = 503  # a resync after a loss leaves it out too
+    extra = make_request("r2", [("later", 10, "image")])
+    manager.can_allocate(extra, 0, 100, 0)
+    manager.allocate(extra, 0)
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 1)
+    recorder.answer = 202
+    wait_for(lambda: manager.reporter.counters().resyncs == 1, step=manager.get_freed_mm_hashes)
+    assert recorder.view() == {"ok": (10, "image"), "later": (10, "image")}
+    assert all(long_hash not in json.dumps(post.body) for post in recorder.posts)
 
 
 # -- the token and the logs -------------------------------------------------------------

@@ -143,12 +143,10 @@ class EngineEventReporter:
 
     def stored(self, mm_hash: str, size: int, modality: str | None) -> None:
         """``mm_hash`` was added to the cache (call after the cache changed)."""
-        if not _reportable(mm_hash) or not 1 <= size <= MAX_SIZE:
+        if _acceptable(mm_hash, size):
+            self._offer(_stored(mm_hash, size, modality))
+        else:
             self._unreportable += 1
-            return
-        if not (isinstance(modality, str) and 0 < len(modality) <= MAX_MODALITY_CHARS):
-            modality = None
-        self._offer(("s", mm_hash, size, modality))
 
     def removed(self, hashes: Iterable[str]) -> None:
         """These hashes left the cache. Called at the end of every scheduling pass, with
@@ -280,7 +278,7 @@ class EngineEventReporter:
                 self._unsent += len(self._outbox) - self._resync_left
                 self._outbox.clear()
                 self._outbox.append(_CLEARED)
-                self._outbox.extend(("s", *item) for item in entry.items)
+                self._outbox.extend(_stored(*item) for item in entry.items if _acceptable(item[0], item[1]))
                 self._resync_left = len(self._outbox)
                 self._lost = False
             elif self._lost:
@@ -344,6 +342,19 @@ class EngineEventReporter:
 
 def _reportable(mm_hash: object) -> bool:
     return isinstance(mm_hash, str) and 0 < len(mm_hash) <= MAX_HASH_CHARS
+
+
+def _acceptable(mm_hash: object, size: object) -> bool:
+    """Whether the service takes this item: the limits of its defaults, which a POST
+    never exceeds (one item over them and the whole POST would be refused)."""
+    return _reportable(mm_hash) and isinstance(size, int) and 1 <= size <= MAX_SIZE
+
+
+def _stored(mm_hash: str, size: int, modality: object) -> tuple:
+    """A stored item, its modality left out unless it is one the service takes."""
+    if not (isinstance(modality, str) and 0 < len(modality) <= MAX_MODALITY_CHARS):
+        modality = None
+    return ("s", mm_hash, size, modality)
 
 
 def _events(batch: list[tuple]) -> list[dict]:
