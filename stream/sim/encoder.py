@@ -117,10 +117,15 @@ class EncoderCache:
         self._hold(request_id, input_id, digest)
         return True
 
-    def can_allocate(self, embeddings: int, compute_budget: int, scheduled: int = 0) -> bool:
-        """Whether an input of ``embeddings`` fits this step, beside the ``scheduled``
-        embeddings the same request already has allocated for in it. Evicts freeable
-        entries, least recently freed first, when the free space alone is too small."""
+    def can_allocate(self, request_id: Hashable, input_id: int, embeddings: int,
+                     compute_budget: int, scheduled: int = 0) -> bool:
+        """Whether an input of ``embeddings`` fits this step.
+
+        It must fit the ``compute_budget`` left and, beside the ``scheduled`` embeddings
+        the same request already has allocated for in this step, the cache: freeable
+        entries are evicted, least recently freed first, when the free space alone is
+        too small. (``request_id`` and ``input_id`` only name the input asked about.)
+        """
         if embeddings > compute_budget:
             return False
         need = embeddings + scheduled

@@ -148,7 +148,8 @@ class EncoderCacheOps(Protocol):
     def lookup(self, request_id: Hashable, input_id: int, digest: str) -> bool:
         """Whether the item is resident; if so the input references it."""
 
-    def can_allocate(self, embeddings: int, compute_budget: int, scheduled: int = 0) -> bool:
+    def can_allocate(self, request_id: Hashable, input_id: int, embeddings: int,
+                     compute_budget: int, scheduled: int = 0) -> bool:
         """Whether an input fits this step, evicting freeable entries to make it fit."""
 
     def allocate(self, request_id: Hashable, input_id: int, digest: str, embeddings: int) -> None:
@@ -193,7 +194,7 @@ class _Request:
     output_tokens: int
     outputs: int = 0
     computed: int = 0
-    hashes: list[bytes] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
     resolved: set[int] = field(default_factory=set)  # inputs counted as encoder lookups
 
     @property
@@ -229,7 +230,8 @@ def schedule_encoder_inputs(cache: EncoderCacheOps, request: _Request, computed:
         if cache.lookup(request.request_id, input_id, item.key):
             hits.append(input_id)
             continue
-        if not cache.can_allocate(item.embeddings, compute_budget, scheduled_embeddings):
+        if not cache.can_allocate(request.request_id, input_id, item.embeddings,
+                                  compute_budget, scheduled_embeddings):
             new_tokens = min(new_tokens, item.offset - computed) if computed < item.offset else 0
             break
         if item.embeddings_within(max(0, computed - item.offset), min(item.tokens, end - item.offset)) == 0:
@@ -457,6 +459,11 @@ def _as_request(request: PromptRequest, config: EngineConfig) -> _Request:
         raise ValueError(f"{request.request_id}: a request needs at least one prompt token")
     if request.output_tokens < 1:
         raise ValueError(f"{request.request_id}: output_tokens must be at least 1")
+    blocks = -(-(offset + request.output_tokens) // config.block_size)
+    if blocks > config.kv_blocks - 1:
+        raise ValueError(f"{request.request_id}: {offset} + {request.output_tokens} tokens need "
+                         f"{blocks} KV blocks, more than the {config.kv_blocks - 1} there are "
+                         "(vLLM refuses a max_model_len the KV cache cannot hold)")
     runs.append(Run(f"\0out:{request.request_id}", 0))  # its generated tokens, unlike any other's
     state = _Request(request.request_id, tuple(items), runs, offset, request.output_tokens)
     state.hashes = chain_hashes(runs, config.block_size, offset)

@@ -26,7 +26,7 @@ what the KV cache manager does on top of it (hits, slots for new tokens, caching
 blocks, freeing a request) and works over any pool with the same operations, which is
 how the differential test drives vLLM's pool with this manager.
 
-Pure and deterministic: block hashes are BLAKE2b digests of the content's ``repr``.
+Pure and deterministic: block hashes are the same in every process (``chain_hashes``).
 """
 
 from __future__ import annotations
@@ -53,42 +53,53 @@ class Run:
 
 
 def chain_hashes(runs: Sequence[Run], block_size: int, num_tokens: int,
-                 known: Sequence[bytes] = ()) -> list[bytes]:
+                 known: Sequence[int] = ()) -> list[int]:
     """The hashes of the full blocks among the first ``num_tokens`` tokens of ``runs``,
-    continuing ``known`` (the hashes already computed for the leading blocks)."""
+    continuing ``known`` (the hashes already computed for the leading blocks).
+
+    A block's hash covers its parent's hash and, per run overlapping it, the run's key
+    with the token range it covers: for text the range inside the run (token ``j`` of a
+    key is the same token everywhere), for an item its offset from the block's start and
+    its token count there (its placeholder tokens are all alike; the key and offset are
+    vLLM's extra keys). Keys enter as the first 8 bytes of their BLAKE2b digest and the
+    chain as CPython's hash of a tuple of ints, which is the same in every process
+    (no string is hashed); 64 bits make a false hit vanishingly rare."""
     hashes = list(known)
-    starts, at = [], 0
-    for run in runs:
-        starts.append(at)
-        at += run.tokens
-    index = 0
-    parent = hashes[-1] if hashes else b""
-    for block in range(len(hashes), min(num_tokens, at) // block_size):
+    end = min(num_tokens, sum(run.tokens for run in runs)) // block_size
+    if len(hashes) >= end:
+        return hashes
+    names = [_key_id(run.key) * (-1 if run.item else 1) for run in runs]
+    index, start = 0, 0  # the run holding the block's first token, and where it starts
+    parent = hashes[-1] if hashes else 0
+    for block in range(len(hashes), end):
         lo, hi = block * block_size, (block + 1) * block_size
-        while starts[index] + runs[index].tokens <= lo:
+        while start + runs[index].tokens <= lo:
+            start += runs[index].tokens
             index += 1
-        content: list[tuple[object, ...]] = []
-        extra: list[tuple[object, ...]] = []
-        i = index
-        while i < len(runs) and starts[i] < hi:
-            run, start = runs[i], starts[i]
-            first, last = max(lo, start) - start, min(hi, start + run.tokens) - start
-            if run.item:
-                content.append(("", last - first))  # placeholder tokens are all alike
-                extra.append(("mm", run.key, start - lo))
-            else:
-                content.append((run.key, first, last))
-            i += 1
-        digest = hashlib.blake2b(repr((parent, content, extra or None)).encode(), digest_size=16)
-        parent = digest.digest()
+        if start + runs[index].tokens >= hi:  # the block lies inside one run
+            parent = hash((parent, names[index], start - lo if runs[index].item else lo - start))
+        else:
+            parts: list[int] = [parent]
+            i, at = index, start
+            while at < hi:
+                run = runs[i]
+                first, last = max(lo, at), min(hi, at + run.tokens)
+                parts += (names[i], at - lo, last - first) if run.item else (names[i], first - at, last - at)
+                at += run.tokens
+                i += 1
+            parent = hash(tuple(parts))
         hashes.append(parent)
     return hashes
+
+
+def _key_id(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") | 1
 
 
 class Pool(Protocol):
     """The block-pool operations the manager needs (vLLM's ``BlockPool`` has them)."""
 
-    def cached_block(self, block_hash: bytes) -> Hashable | None:
+    def cached_block(self, block_hash: int) -> Hashable | None:
         """The first block cached under the hash, or None."""
 
     def is_evictable(self, block: Hashable) -> bool:
@@ -103,7 +114,7 @@ class Pool(Protocol):
     def touch(self, blocks: Sequence[Hashable]) -> None:
         """One more reference each (a hit)."""
 
-    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[bytes],
+    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[int],
                      first: int, end: int) -> None:
         """Cache blocks ``first`` to ``end`` of a request under their hashes."""
 
@@ -124,10 +135,10 @@ class BlockPool:
     num_blocks: int
     enable_caching: bool = True
     refs: list[int] = field(default_factory=list)
-    block_hash: list[bytes | None] = field(default_factory=list)
+    block_hash: list[int | None] = field(default_factory=list)
     free_queue: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    cached: dict[bytes, dict[int, None]] = field(default_factory=dict)
-    evicted: list[bytes] = field(default_factory=list)
+    cached: dict[int, dict[int, None]] = field(default_factory=dict)
+    evicted: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -136,7 +147,7 @@ class BlockPool:
         self.block_hash = [None] * self.num_blocks
         self.free_queue = OrderedDict.fromkeys(range(1, self.num_blocks))
 
-    def cached_block(self, block_hash: bytes) -> int | None:
+    def cached_block(self, block_hash: int) -> int | None:
         """The first block cached under the hash, or None."""
         blocks = self.cached.get(block_hash)
         return next(iter(blocks)) if blocks else None
@@ -175,7 +186,7 @@ class BlockPool:
                 del self.free_queue[block]  # type: ignore[arg-type]
             self.refs[block] += 1  # type: ignore[index]
 
-    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[bytes],
+    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[int],
                      first: int, end: int) -> None:
         """Give blocks ``first`` to ``end`` of a request the hashes of its full blocks."""
         if not self.enable_caching:
@@ -217,7 +228,7 @@ class PrefixCache:
     blocks: dict[Hashable, list[Hashable]] = field(default_factory=dict)
     cached_count: dict[Hashable, int] = field(default_factory=dict)
 
-    def longest_hit(self, hashes: Sequence[bytes], num_tokens: int) -> list[Hashable]:
+    def longest_hit(self, hashes: Sequence[int], num_tokens: int) -> list[Hashable]:
         """The cached blocks a new request of ``num_tokens`` tokens can use: its leading
         run of cached full blocks, leaving at least its last token to compute."""
         if not self.enable_caching:
@@ -231,7 +242,7 @@ class PrefixCache:
         return hit
 
     def allocate(self, request_id: Hashable, num_tokens: int, cacheable_tokens: int,
-                 hashes: Sequence[bytes], hit: Sequence[Hashable] = ()) -> bool:
+                 hashes: Sequence[int], hit: Sequence[Hashable] = ()) -> bool:
         """Slots for the request's first ``num_tokens`` tokens (the computed ones and those
         scheduled now), ``hit`` the blocks of a new request's prefix hit. False, changing
         nothing, when the free queue is too short; else the blocks are taken and the
