@@ -14,7 +14,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from stream.config import Limits
-from stream.core.events import EndpointName
+from stream.core.events import EndpointName, EngineEvent
 from stream.core.items import InvalidField, Item
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "EndpointMatchBody",
     "EndpointStateBody",
     "EndpointsSyncRequest",
+    "EngineEventsRequest",
+    "EngineViewStateBody",
     "ErrorBody",
     "EventsAccepted",
     "MatchRequest",
@@ -121,6 +123,14 @@ EndpointEventRequest = Annotated[
 ]
 
 
+class EngineEventsRequest(_Body):
+    """A model server reports changes of its own encoder cache, to apply in order."""
+
+    endpoint: EndpointName
+    engine: str = Field(min_length=1, max_length=64, description="the reporting engine, e.g. vllm")
+    events: list[EngineEvent]
+
+
 class EndpointMatchBody(_Body):
     """Match data for one endpoint (the plugin's EncoderCacheMatchInfo)."""
 
@@ -129,6 +139,9 @@ class EndpointMatchBody(_Body):
     matched_weight: int
     total_weight: int
     score: float
+    source: Literal["engine", "estimate"] = Field(
+        description="engine: matched against what the endpoint reported its cache holds; "
+        "estimate: against its LRU estimated from placements")
 
 
 class MatchResponse(_Body):
@@ -159,6 +172,14 @@ class CapacityBody(_Body):
     per_endpoint: int
 
 
+class EngineViewStateBody(_Body):
+    """Counts of one endpoint's engine view (what it reported its cache holds)."""
+
+    endpoint: str
+    items: int
+    weight: int
+
+
 class StateResponse(_Body):
     """Answer to ``GET /v1/state``."""
 
@@ -166,6 +187,12 @@ class StateResponse(_Body):
     total_endpoints: int
     capacity: CapacityBody
     digest: str
+    engine_views: list[EngineViewStateBody] | None = Field(
+        None,
+        description="endpoints that report their own cache, most items first, then by name "
+        "(capped by ?limit= as endpoints is); only once some endpoint has reported")
+    total_engine_views: int | None = Field(
+        None, description="endpoints that report their own cache; only once some endpoint has reported")
     digest_settled: bool = Field(
         True,
         description="false when writes kept changing the state while it was hashed: the "

@@ -18,6 +18,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from stream.api_models import (
     EndpointDeletedRequest,
     EndpointEventRequest,
+    EngineEventsRequest,
     MatchRequest,
     PlacementRequest,
     check_limits,
@@ -25,13 +26,15 @@ from stream.api_models import (
 )
 from stream.codec import field_path
 from stream.config import Limits
+from stream.core.events import EngineItemsRemoved, EngineItemsStored
 from stream.core.items import MAX_ITEM_SIZE, InvalidField, Item, extract_items, unique_items
 
 __all__ = ["READERS", "ApiError", "MatchQuery", "Placement", "checked_match_query", "endpoint_event",
-           "invalid", "match_query", "parse", "placement"]
+           "engine_events", "invalid", "match_query", "parse", "placement"]
 
 _ENDPOINT_EVENT = TypeAdapter(EndpointEventRequest)
-_TAGS = frozenset({"deleted", "sync"})  # EndpointEventRequest's discriminator values
+# the discriminator values of EndpointEventRequest and of an engine report's facts
+_TAGS = frozenset({"deleted", "sync", "stored", "removed", "cleared"})
 
 
 class ApiError(Exception):
@@ -169,5 +172,38 @@ def endpoint_event(raw: bytes, limits: Limits) -> Any:
     return event
 
 
+def engine_events(raw: bytes, limits: Limits) -> EngineEventsRequest:
+    """A ``/v1/engine-events`` body, checked: at most ``max_engine_events`` facts, and
+    over all of them at most ``max_items`` stored items and ``max_items`` removed hashes,
+    each within the hash and modality lengths."""
+    request: EngineEventsRequest = parse(EngineEventsRequest, raw)
+    try:
+        check_limits(limits, endpoints=[request.endpoint], field="endpoint")
+        if len(request.events) > limits.max_engine_events:
+            raise InvalidField("events", f"at most {limits.max_engine_events} events (max_engine_events)")
+        stored = removed = 0
+        for at, fact in enumerate(request.events):
+            if isinstance(fact, EngineItemsStored):
+                stored += len(fact.items)
+                if stored > limits.max_items:
+                    raise InvalidField(f"events[{at}].items", f"at most {limits.max_items} stored "
+                                       "items over all events (max_items)")
+                check_limits(limits, items=fact.items, items_field=f"events[{at}].items")
+            elif isinstance(fact, EngineItemsRemoved):
+                removed += len(fact.hashes)
+                if removed > limits.max_items:
+                    raise InvalidField(f"events[{at}].hashes", f"at most {limits.max_items} removed "
+                                       "hashes over all events (max_items)")
+                too_long = next((i for i, digest in enumerate(fact.hashes)
+                                 if len(digest) > limits.max_hash_chars), None)
+                if too_long is not None:
+                    raise InvalidField(f"events[{at}].hashes[{too_long}]", f"at most "
+                                       f"{limits.max_hash_chars} characters (max_hash_chars)")
+    except InvalidField as exc:
+        raise invalid(exc) from None
+    return request
+
+
 #: Every reader by name, as the body reader's child knows them.
-READERS = {"match_query": match_query, "placement": placement, "endpoint_event": endpoint_event}
+READERS = {"match_query": match_query, "placement": placement, "endpoint_event": endpoint_event,
+           "engine_events": engine_events}

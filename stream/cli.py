@@ -50,7 +50,7 @@ _CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server"
 _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
                 *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
                 "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
-                "shutdown_timeout_s", "max_lag_events", "log_level")
+                "shutdown_timeout_s", "max_lag_events", "match_source", "log_level")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Libraries whose INFO lines (group joins, partition tables, every service starting)
 # are noise for an operator; they speak at WARNING unless --log-level debug.
@@ -149,11 +149,14 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"produce timeout {settings.produce_timeout_s:g} s",
         f"shutdown timeout {settings.shutdown_timeout_s:g} s",
         "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
+        f"match source {settings.match_source}, engine views of at most "
+        f"{settings.engine_view_max_entries} entries",
         f"limits body {limits.max_body_bytes} bytes, {limits.max_endpoints} endpoints, "
         f"{limits.max_placement_endpoints} per placement, {limits.max_total_endpoints} in the view, "
         f"{limits.max_items} items, {limits.max_endpoint_chars} chars a name, "
         f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
-        f"{limits.max_references} media references, {limits.max_match_pairs} match pairs",
+        f"{limits.max_references} media references, {limits.max_match_pairs} match pairs, "
+        f"{limits.max_engine_events} engine events",
         f"log level {settings.log_level}",
     ]
     if resolved.plugin is not None:
@@ -488,6 +491,8 @@ def _environment_only() -> str:
     for name in ("replication_factor", "min_insync_replicas"):
         lines.append(f"  MMCACHE_{name.upper()} (default: 3 and 2 on 3 or more brokers, else 1 and 1)")
     lines.append(f"  MMCACHE_MAX_WRITES_IN_FLIGHT (default {_default(Settings, 'max_writes_in_flight')})")
+    bound = _default(Settings, "engine_view_max_entries")
+    lines.append(f"  MMCACHE_ENGINE_VIEW_MAX_ENTRIES (default {bound}; give rebuild the same)")
     for field, info in KafkaSecurity.model_fields.items():
         lines.append(f"  MMCACHE_KAFKA_{field.upper()} (default {info.default or 'unset'})")
     lines.append("Flags win over the environment, which wins over --config.")
@@ -556,6 +561,10 @@ def _parser() -> argparse.ArgumentParser:
           "state (exit code 3)", type=float, metavar="S")
     _flag(serve, "--max-lag-events", "/readyz answers 503 while the view lags the log by more "
           "than N events", type=int, default="off", metavar="N")
+    _flag(serve, "--match-source", "what /v1/match answers each endpoint from: auto (its engine "
+          "view where it reports its own cache, else its estimate LRU), estimate (always the LRU), "
+          "engine (always the engine view: an endpoint that never reported matches nothing)",
+          choices=["auto", "estimate", "engine"])
     _flag(serve, "--log-level", "debug shows the libraries' own lines too",
           choices=["debug", "info", "warning", "error"])
     _add_debug(serve)

@@ -14,16 +14,17 @@ __all__ = ["MalformedEvent", "MalformedReason", "decode_event", "encode_event", 
 # The adapter's compiled validator, called directly: the adapter's own wrapper costs
 # ~0.5 us per record, a tenth of a replayed event.
 _VALIDATE_JSON = TypeAdapter(Event).validator.validate_json
-_EVENT_TYPES = frozenset({"items_placed", "endpoint_deleted", "endpoints_synced"})
+_EVENT_TYPES = frozenset({"items_placed", "endpoint_deleted", "endpoints_synced",
+                          "engine_events_reported", "stored", "removed", "cleared"})
 
 
 def field_path(loc: tuple[int | str, ...], tags: frozenset[str] = frozenset()) -> str:
     """A pydantic error location written as every error of mmcache writes a field:
-    ``items[0].size`` (never ``items.0.size``); a discriminated union's tag (the first
-    part, one of ``tags``) is left out, since the body names its own type."""
-    parts = list(loc)
-    if parts and parts[0] in tags:
-        parts = parts[1:]
+    ``items[0].size`` (never ``items.0.size``); a discriminated union's tag (one of
+    ``tags``, first or right after a list index: ``events[0].stored.items``) is left out,
+    since the body names its own type."""
+    parts = [part for at, part in enumerate(loc)
+             if not (part in tags and (at == 0 or isinstance(loc[at - 1], int)))]
     text = ""
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from stream.core.cache import Capacity
+from stream.core.engine import ENGINE_VIEW_ENTRIES
 
 __all__ = [
     "FLAGS",
@@ -54,6 +55,9 @@ class Limits(BaseSettings):
     max_references: int = Field(4096, ge=1)
     # endpoints x request items of one match: bounds its answer (and the work to build it)
     max_match_pairs: int = Field(16_384, ge=1)
+    # facts (stored, removed, cleared) in one POST /v1/engine-events; its stored items and its
+    # removed hashes are each bounded by max_items too
+    max_engine_events: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
     def _references_cover_items(self) -> Limits:
@@ -113,6 +117,12 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(5.0, gt=0)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
+    # what /v1/match answers each endpoint from: auto (its engine view where it reported
+    # one, else its LRU), estimate (always the LRU), engine (always the engine view; an
+    # endpoint that never reported holds nothing)
+    match_source: Literal["auto", "estimate", "engine"] = "auto"
+    # entries one engine view holds at most (a bound of the fold: give rebuild the same)
+    engine_view_max_entries: int = Field(ENGINE_VIEW_ENTRIES, ge=1)
     auth_token_file: Path | None = None
     match_auth_token_file: Path | None = None
     allow_unauthenticated_writes: bool = False
@@ -122,7 +132,7 @@ class Settings(BaseSettings):
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "match_source", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
@@ -312,7 +322,7 @@ FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
-    "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "log_level",
+    "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
 })
 
 

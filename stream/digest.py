@@ -1,7 +1,7 @@
 """The state digest for a server on an event loop: hashed in slices, never in one hold.
 
-``CacheState`` keeps one digest per endpoint and marks an endpoint dirty when its LRU
-changes; this adapter rehashes the dirty ones ``ENTRIES_PER_SLICE`` entries at a time
+``CacheState`` keeps one digest per endpoint (and one per engine view) and marks it dirty
+when it changes; this adapter rehashes the dirty ones ``ENTRIES_PER_SLICE`` entries at a time
 and yields to the loop between slices, so a ``/v1/match`` waiting behind a
 ``/v1/state`` waits for one slice (about 1 ms on the bench machine), not for a hash of
 the whole state (400-500 ms at 1,000 endpoints x 1,024 entries).
@@ -43,8 +43,11 @@ async def digest_without_blocking(state: CacheState, entries_per_slice: int = EN
     Settled means no endpoint was dirty at the moment the last slice ended: the value
     is then the digest of the state at that moment.
     """
-    entries = sum(len(cache.entries) for cache in state.endpoints.values())
-    slices_left = max_rounds * (entries // entries_per_slice + len(state.endpoints) // entries_per_slice + 2)
+    views = state.engine.views
+    entries = (sum(len(cache.entries) for cache in state.endpoints.values())
+               + sum(len(view.entries) for view in views.values()))
+    parts = len(state.endpoints) + len(views)  # each engine view is a part of the digest too
+    slices_left = max_rounds * (entries // entries_per_slice + parts // entries_per_slice + 2)
     rounds = 0
     state.start_digest_round()
     while state.digests_pending():

@@ -10,7 +10,8 @@ reached the changelog's end, the partition is loaded into the view in one pass
 entry, so a changelog written in key order by a seeded start gives the owner's recency
 order too). After that, changes are applied as they come, in the owner's fold order.
 The owner's applied-offset record is mirrored into the view's applied offsets, from
-which the view's lag on a followed partition is told.
+which the view's lag on a followed partition is told. Engine views are followed the same
+way, from their own records (``stream.store``: the view's, and its entries').
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import TopicPartition
 
 from stream.core.cache import CacheState
-from stream.store import APPLIED_KEY, ChangelogGate, decode_applied, decode_change, encode_applied
+from stream.store import (
+    APPLIED_KEY,
+    ChangelogGate,
+    decode_applied,
+    decode_change,
+    decode_engine_change,
+    encode_applied,
+    is_engine_key,
+)
 from stream.view_load import load_partition_into_view
 
 __all__ = ["ChangelogFollower", "Reread"]
@@ -40,10 +49,12 @@ log = logging.getLogger(__name__)
 class Reread:
     """One partition's changelog read again from its start, kept aside from the view: the
     latest value of every entry key (a removal forgets the key), grouped by endpoint, and
-    the owner's last applied offset."""
+    the owner's last applied offset; engine views' records likewise, by endpoint (a
+    view's own record removed forgets the view)."""
 
     def __init__(self) -> None:
         self.endpoints: dict[str, dict[bytes, bytes]] = {}
+        self.views: dict[str, dict[bytes, bytes]] = {}
         self.applied: int | None = None
 
     def add(self, key: bytes, value: bytes | None) -> None:
@@ -54,8 +65,22 @@ class Reread:
             return
         change = decode_change(key, value)
         if change is None:
+            engine = decode_engine_change(key, value)
+            if engine is not None:
+                self._add_engine(key, value, *engine)
             return
         group = self.endpoints.setdefault(change[0], {})
+        if value is None:
+            group.pop(key, None)
+        else:
+            group[key] = value
+
+    def _add_engine(self, key: bytes, value: bytes | None, endpoint: str, digest: str | None,
+                    size: int | None) -> None:
+        if digest is None and value is None:
+            self.views.pop(endpoint, None)
+            return
+        group = self.views.setdefault(endpoint, {})
         if value is None:
             group.pop(key, None)
         else:
@@ -64,6 +89,8 @@ class Reread:
     def records(self) -> Iterator[tuple[bytes, bytes]]:
         """The partition as store records, each endpoint's keys together."""
         for group in self.endpoints.values():
+            yield from group.items()
+        for group in self.views.values():
             yield from group.items()
         if self.applied is not None:
             yield APPLIED_KEY, encode_applied(self.applied)
@@ -196,6 +223,10 @@ class ChangelogFollower(mode.Service):
                 change = decode_change(key, value)
                 if change is not None:
                     view.follow(partition, *change)
+                elif is_engine_key(key):
+                    engine = decode_engine_change(key, value)
+                    assert engine is not None
+                    view.engine.follow(partition, *engine)
         if records:
             self._next[partition] = records[-1].offset + 1
 

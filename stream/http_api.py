@@ -1,6 +1,9 @@
 """The HTTP API of CONTRACT on aiohttp.
 
-``/v1/match`` answers from the in-memory view and never touches Kafka. Writes go to
+``/v1/match`` answers from the in-memory view and never touches Kafka: each endpoint
+from its engine view (what it reported its own cache holds) or from its LRU (the
+estimate), as ``match_source`` says, and counts what the estimate got right against
+each reporting endpoint's engine view (``mmcache_estimate_checks_total``). Writes go to
 the event log and answer 202 only once the broker acknowledged them; they change the
 view only when the worker applies them from the log, so the log stays the one source
 of truth. Every bad body is refused before anything is written.
@@ -33,12 +36,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stream import aiohttp_guard
 from stream.api_models import EndpointDeletedRequest, ReadinessBody, check_placement
 from stream.auth import TokenFile
-from stream.bodies import ApiError, endpoint_event, invalid, match_query, placement
+from stream.bodies import ApiError, endpoint_event, engine_events, invalid, match_query, placement
 from stream.body_reader import BodyReader
 from stream.codec import encode_event
 from stream.config import Limits
 from stream.core.cache import CacheState
-from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
+from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
 from stream.core.items import InvalidField, Item
 from stream.core.render import answer_ends, gather, held_by, match_entries, render_match
 from stream.digest import digest_without_blocking
@@ -77,11 +80,11 @@ _INTERNAL = orjson.dumps({"error": {
     "code": "internal_error", "message": "the request failed inside the service; nothing was written"}})
 
 
-def check_record_size(event: ItemsPlaced | EndpointsSynced) -> None:
+def check_record_size(event: ItemsPlaced | EndpointsSynced | EngineEventsReported) -> None:
     """Refuse with 413, before anything is sent, an event that the log could never take:
     a record over the producer's ``max_request_size`` fails every time it is sent (it
     was a 503 "retry is safe", forever). A deletion always fits (one name)."""
-    key = event.endpoint.encode() if isinstance(event, ItemsPlaced) else None
+    key = None if isinstance(event, EndpointsSynced) else event.endpoint.encode()
     size = record_bytes(key, encode_event(event))
     if size > MAX_REQUEST_BYTES:
         raise ApiError(413, "event_too_large",
@@ -102,8 +105,10 @@ class HttpApi:
         is_ready: Callable[[], bool | ReadinessBody],
         write_tokens: TokenFile | None = None,
         match_tokens: TokenFile | None = None,
+        match_source: str = "auto",
     ) -> None:
         self.state = state
+        self.match_source = match_source
         self.publisher = publisher
         self.metrics = metrics
         self.limits = limits
@@ -134,6 +139,7 @@ class HttpApi:
         add_post("/v1/match", route("/v1/match", self.match, matches))
         add_post("/v1/placements", route("/v1/placements", self.placements, writes))
         add_post("/v1/endpoint-events", route("/v1/endpoint-events", self.endpoint_events, writes))
+        add_post("/v1/engine-events", route("/v1/engine-events", self.engine_events, writes))
         add_get("/v1/state", route("/v1/state", self.state_summary, writes))
         add_get("/healthz", route("/healthz", self.healthz))
         add_get("/readyz", route("/readyz", self.readyz))
@@ -248,9 +254,38 @@ class HttpApi:
         if len(items) * len(endpoints) > _ONE_GO_PAIRS:
             return await self._wide_match(request, items, endpoints)
         requested, found = self.state.hits(items, endpoints)
+        if self.state.engine.views or self.match_source == "engine":
+            found, engine = self._engine_answer(items, requested, found)
+            body = render_match(items, requested, found, engine)
+        else:  # nobody reports: the estimate answers, at no extra cost
+            body = render_match(items, requested, found)
         self.metrics.record_match(items, found)
-        return web.Response(body=render_match(items, requested, found),
-                            content_type="application/json")
+        return web.Response(body=body, content_type="application/json")
+
+    def _engine_answer(self, items: list[Item], requested: list[str],
+                       found: dict[str, list[Item]]) -> tuple[dict[str, list[Item]], set[str]]:
+        """The hits to answer (``found``'s for the estimate's endpoints, the engine views'
+        for the others) and the endpoints answered from their engine views; counts the
+        estimate's checks against every reporting endpoint's view on the way."""
+        views = self.state.engine
+        reporting = views.reporting(requested)
+        truth = views.hits(items, reporting) if reporting else {}
+        if reporting:
+            self.metrics.count_checks(len(items), reporting, found, truth)
+        return self._answer(requested, reporting, found, truth)
+
+    def _answer(self, requested: list[str], reporting: list[str], found: dict[str, list[Item]],
+                truth: dict[str, list[Item]]) -> tuple[dict[str, list[Item]], set[str]]:
+        """Each endpoint's hits from the source ``match_source`` gives it: ``auto`` the
+        engine view where it reported one, ``engine`` always (an endpoint that never
+        reported holds nothing), ``estimate`` never."""
+        mode = self.match_source
+        if mode == "estimate" or not (reporting or mode == "engine"):
+            return found, set()
+        engine = set(requested) if mode == "engine" else set(reporting)
+        answer = {name: matched for name, matched in found.items() if name not in engine}
+        answer.update(truth)
+        return answer, engine
 
     async def _wide_match(self, request: web.Request, items: list[Item],
                           endpoints: list[str]) -> web.StreamResponse:
@@ -264,11 +299,27 @@ class HttpApi:
         """
         requested = list(dict.fromkeys(endpoints))
         held = held_by(self.state.holders, items, requested)
+        views = self.state.engine
+        reporting = views.reporting(requested)
+        held_truth = held_by(views.holders, items, reporting) if reporting else []
         found: dict[str, list[Item]] = {}
         start = 0
         while start < len(items):
             await asyncio.sleep(0)
             start = gather(items, held, found, start, _SLICE_PAIRS)
+        engine: set[str] = set()
+        if reporting or self.match_source == "engine":
+            truth: dict[str, list[Item]] = {}
+            start = 0
+            while start < len(held_truth):
+                await asyncio.sleep(0)
+                start = gather(items, held_truth, truth, start, _SLICE_PAIRS)
+            for first in range(0, len(reporting), _SLICE_PAIRS // len(items) + 1):
+                await asyncio.sleep(0)
+                self.metrics.count_checks(len(items), reporting[first:first + _SLICE_PAIRS // len(items) + 1],
+                                          found, truth)
+            await asyncio.sleep(0)
+            found, engine = self._answer(requested, reporting, found, truth)
         best, holders, pairs = 0, {}, 0
         for endpoint, matched in found.items():  # hits counted in slices of ~_SLICE_PAIRS
             holders[endpoint] = matched
@@ -282,7 +333,7 @@ class HttpApi:
         await asyncio.sleep(0)
         head, tail = answer_ends(items)
         blobs, group, size = [], [], 0  # entries, comma-joined by ~_SLICE_BYTES
-        for part in match_entries(items, requested, found):
+        for part in match_entries(items, requested, found, engine):
             group.append(part)
             size += len(part)
             if size >= _SLICE_BYTES:
@@ -337,6 +388,22 @@ class HttpApi:
             publish = self.publisher.publish_sync(synced)
         return _json({"events": await self._publish(publish)}, 202)
 
+    async def engine_events(self, request: web.Request) -> web.Response:
+        """Record what a model server reports its own encoder cache did, as one event on
+        the log keyed by the endpoint (its facts apply in order)."""
+        checked = await self._read(engine_events, request)
+        if not checked.events:
+            return _json({"events": 0}, 202)
+        views, limit = self.state.engine.views, self.limits.max_total_endpoints
+        if checked.endpoint not in views and len(views) >= limit:
+            raise ApiError(400, "invalid_request", f"endpoint: the view holds {len(views)} engine "
+                           f"views, at most {limit} (max_total_endpoints): delete or sync gone "
+                           "endpoints first")
+        event = EngineEventsReported(endpoint=checked.endpoint, engine=checked.engine,
+                                     events=checked.events)
+        check_record_size(event)
+        return _json({"events": await self._publish(self.publisher.publish([event]))}, 202)
+
     async def _publish(self, publish: Awaitable[int]) -> int:
         """The publisher's count, or 503: ``log_unavailable`` (not acknowledged in time,
         may still be written) or ``overloaded`` (too many writes waiting, nothing sent).
@@ -361,16 +428,19 @@ class HttpApi:
         # hashed in slices between turns of the loop; the rest is read after the last
         # slice, with no await in between, so it describes the same moment
         digest = await digest_without_blocking(self.state)
-        capacity = self.state.capacity
-        return _json(
-            {
-                "endpoints": [row._asdict() for row in self.state.summary(int(raw_limit))],
-                "total_endpoints": len(self.state.endpoints),
-                "capacity": {"mode": capacity.mode, "per_endpoint": capacity.per_endpoint},
-                "digest": digest.value,
-                "digest_settled": digest.settled,
-            }
-        )
+        capacity, limit, views = self.state.capacity, int(raw_limit), self.state.engine
+        body = {
+            "endpoints": [row._asdict() for row in self.state.summary(limit)],
+            "total_endpoints": len(self.state.endpoints),
+            "capacity": {"mode": capacity.mode, "per_endpoint": capacity.per_endpoint},
+            "digest": digest.value,
+            "digest_settled": digest.settled,
+        }
+        if views.views:  # only once some endpoint reports its cache: the answer is as before
+            body["engine_views"] = [{"endpoint": name, "items": items, "weight": weight}
+                                    for name, items, weight in views.summary(limit)]
+            body["total_engine_views"] = len(views.views)
+        return _json(body)
 
     async def openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI 3.1 document of this API, from the models of ``schemas/``."""

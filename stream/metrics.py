@@ -37,6 +37,7 @@ _RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 _MODALITY = attrgetter("modality")
 _SIZE = attrgetter("size")
+_OUTCOMES = ("true_hit", "false_hit", "missed_hit", "true_miss")
 
 
 class Histogram:
@@ -77,6 +78,8 @@ class Metrics:
         self._queries: Tally[str] = Tally()
         self._hits: Tally[tuple[str, str]] = Tally()
         self._requests: Tally[tuple[str, int]] = Tally()
+        # the estimate against the engine views: true_hit, false_hit, missed_hit, true_miss
+        self._checks = [0, 0, 0, 0]
         # set by the HTTP API: whether /readyz answers 200 now
         self.readiness: Callable[[], bool] | None = None
         self.hit_ratio = Histogram(_RATIO_BUCKETS)
@@ -141,6 +144,31 @@ class Metrics:
                 hits[endpoint, item.modality] += 1
         return best
 
+    def count_checks(self, items: int, reporting: Sequence[str], estimate: Mapping[str, list[Item]],
+                     truth: Mapping[str, list[Item]]) -> None:
+        """Count, for each of the ``reporting`` endpoints and each of a match's ``items``
+        (distinct hashes), what its LRU predicted (``estimate``'s hits) against what its
+        engine view holds (``truth``'s hits): the cost follows the hits, plus one
+        lookup a reporting endpoint."""
+        true_hit = false_hit = missed_hit = true_miss = 0
+        for name in reporting:
+            guessed, held = estimate.get(name), truth.get(name)
+            if not guessed and not held:
+                true_miss += items
+                continue
+            guesses = {item.hash for item in guessed} if guessed else set()
+            holds = {item.hash for item in held} if held else set()
+            both = len(guesses & holds)
+            true_hit += both
+            false_hit += len(guesses) - both
+            missed_hit += len(holds) - both
+            true_miss += items - len(guesses) - len(holds) + both
+        checks = self._checks
+        checks[0] += true_hit
+        checks[1] += false_hit
+        checks[2] += missed_hit
+        checks[3] += true_miss
+
     def record_queries(self, items: Sequence[Item], best: int) -> None:
         """Count a match request's queried items and observe its best score, given the
         best matched weight over all its endpoints (``count_hits``)."""
@@ -158,9 +186,9 @@ class Metrics:
             "encoder_cache_hits", "Matched (endpoint, item) pairs, by pod and modality; a pod's "
             "series goes when the pod is deleted or synced away", labels=["pod", "modality"]
         )
-        live = self._state.endpoints
-        for key in [key for key in self._hits if key[0] not in live]:
-            del self._hits[key]  # its LRU was dropped: a pod label lives as long as the pod
+        live, views = self._state.endpoints, self._state.engine.views
+        for key in [key for key in self._hits if key[0] not in live and key[0] not in views]:
+            del self._hits[key]  # its LRU and view were dropped: a pod label lives as long as the pod
         for (pod, modality), count in self._hits.items():
             hits.add_metric([pod, modality], count)
         requests = CounterMetricFamily(
@@ -175,8 +203,16 @@ class Metrics:
         )
         for partition, behind in sorted(self._lag().items()):
             lag.add_metric([str(partition)], behind)
+        checks = CounterMetricFamily(
+            "mmcache_estimate_checks", "Requested items of match requests, for each endpoint that "
+            "reports its own cache: what the estimate (LRU) predicted against what the engine view "
+            "holds (true_hit: both hold it, false_hit: only the estimate, missed_hit: only the "
+            "engine, true_miss: neither)", labels=["outcome"])
+        for outcome, count in zip(_OUTCOMES, self._checks, strict=True):
+            checks.add_metric([outcome], count)
         yield queries
         yield hits
+        yield checks
         yield requests
         yield lag
         if self.readiness is not None:
@@ -197,6 +233,12 @@ class Metrics:
             "LRU entries over all endpoints",
             value=sum(len(c.entries) for c in self._state.endpoints.values()),
         )
+        yield GaugeMetricFamily(
+            "mmcache_engine_views", "Endpoints that report their own cache (engine views)",
+            value=len(views))
+        yield GaugeMetricFamily(
+            "mmcache_engine_view_entries", "Engine view entries over all endpoints",
+            value=sum(len(view.entries) for view in views.values()))
 
 
 def _histogram_family(

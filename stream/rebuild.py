@@ -50,6 +50,7 @@ from stream.store import (
     decode_applied,
     encode_applied,
     endpoint_records,
+    engine_records,
 )
 
 __all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment"]
@@ -170,23 +171,28 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
 
 
 def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) -> None:
-    """Write the state's entries and applied offsets to RocksDB, one partition at a time.
+    """Write the state's entries, engine views and applied offsets to RocksDB, one
+    partition at a time.
 
     Each partition is written as one SST file in key order and ingested whole
     (RocksDB's bulk load): no memtable, no write-ahead log, no flush. Keys sort by
-    endpoint name first, because a name's bytes are never control characters and the
-    separator after it is one.
+    kind (LRU entries, the applied offset, engine views), then by endpoint name, because
+    a name's bytes are never control characters and the separator after it is one.
     """
     names: dict[int, list[tuple[bytes, str]]] = {p: [] for p in partitions}
     for name, cache in state.endpoints.items():
         if cache.partition in names:
             names[cache.partition].append((name.encode(), name))
+    views: dict[int, list[tuple[bytes, str]]] = {p: [] for p in partitions}
+    for name, view in state.engine.views.items():
+        if view.partition in views:
+            views[view.partition].append((name.encode(), name))
     ingest = IngestExternalFileOptions()
     ingest.set_move_files(True)
     for partition, endpoints in names.items():
         db = datadir.open_partition(partition)
         try:
-            if not endpoints and partition not in state.applied:
+            if not endpoints and not views[partition] and partition not in state.applied:
                 continue
             sst = str(datadir.partition_path(partition).with_suffix(".sst"))
             writer = SstFileWriter(Options(raw_mode=True))
@@ -196,6 +202,10 @@ def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) 
                     writer[key] = value
             if partition in state.applied:
                 writer[APPLIED_KEY] = encode_applied(state.applied[partition])
+            for _, name in sorted(views[partition]):
+                view = state.engine.views[name]
+                for key, value in sorted(engine_records(name, view.entries.items())):
+                    writer[key] = value
             writer.finish()
             db.ingest_external_file([sst], ingest)
         finally:
@@ -227,12 +237,12 @@ def _add_progress(done: int) -> None:
 
 def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Capacity,
                  until: Until, root: Path, tansu: bool, topic_partitions: int,
-                 security: KafkaSecurity) -> _Part:
+                 security: KafkaSecurity, engine_entries: int) -> _Part:
     """Replay some partitions and write their files (run in a process of its own)."""
     if tansu:
         apply_remedies()
     gc.disable()  # a batch job that makes no reference cycles: collections only cost time
-    state = CacheState(capacity)
+    state = CacheState(capacity, engine_entries)
     started = time.monotonic()
     counts = event_loop.run(replay(bootstrap, topic, partitions, state, until, _add_progress,
                                 topic_partitions=topic_partitions, security=security))
@@ -305,7 +315,8 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
                                  initargs=(counter, logging.getLogger().level)) as pool:
             futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
                                    settings.capacity, until, datadir.root, tansu, len(partitions),
-                                   settings.kafka) for group in groups]
+                                   settings.kafka, settings.engine_view_max_entries)
+                       for group in groups]
             while not all(f.done() for f in futures):
                 progress.update(counter.value)
                 time.sleep(0.1)

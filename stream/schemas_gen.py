@@ -16,7 +16,16 @@ from pydantic import TypeAdapter
 
 from stream import api_models
 from stream.codec import encode_event
-from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced
+from stream.core.events import (
+    EndpointDeleted,
+    EndpointsSynced,
+    EngineCleared,
+    EngineEventsReported,
+    EngineItemsRemoved,
+    EngineItemsStored,
+    Event,
+    ItemsPlaced,
+)
 from stream.core.items import Item
 from stream.openapi import build_document
 
@@ -28,6 +37,7 @@ SCHEMAS: dict[str, Any] = {
     "match-response.schema.json": api_models.MatchResponse,
     "placement-request.schema.json": api_models.PlacementRequest,
     "endpoint-event-request.schema.json": api_models.EndpointEventRequest,
+    "engine-events-request.schema.json": api_models.EngineEventsRequest,
     "events-accepted.schema.json": api_models.EventsAccepted,
     "state-response.schema.json": api_models.StateResponse,
     "error.schema.json": api_models.ErrorBody,
@@ -41,6 +51,16 @@ EXAMPLES = {
     ),
     "examples/endpoint_deleted.json": EndpointDeleted(endpoint="default/pod-a"),
     "examples/endpoints_synced.json": EndpointsSynced(live=["default/pod-a", "default/pod-b"]),
+    "examples/engine_events_reported.json": EngineEventsReported(
+        endpoint="default/pod-a",
+        engine="vllm",
+        events=[
+            EngineItemsStored(items=[Item("9f2b5c0e1d7a4b3c8e6f0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f",
+                                          1450, "image")]),
+            EngineItemsRemoved(hashes=["0c1d2e3f405162738495a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f8091"]),
+            EngineCleared(),
+        ],
+    ),
 }
 
 

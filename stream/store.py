@@ -8,6 +8,14 @@ disk), and ``0x02 "applied"`` for the last applied log offset. Endpoint names ho
 control characters, so the first one after the name tells the two forms apart.
 Values: big-endian ``offset:u64 index:u32 size:u32``; ``(offset, index)`` ranks
 entries by recency, since a placement's items are touched in request order.
+
+Engine views (``stream.core.engine``) have keys of their own kind: ``0x04 endpoint`` for
+the view itself (so that an empty view, after ``cleared``, is kept too; its value ranks
+as an entry's, with index and size 0), and ``0x04 endpoint 0x00 hash`` or ``0x04
+endpoint 0x03 32 bytes`` for its entries, whose values are an LRU entry's (the rank of
+the store that put the entry there, and its size). They sort after every LRU entry and
+the applied record, each endpoint's together, the view's own key first; a reader of an
+older release skips them as foreign keys.
 """
 
 from __future__ import annotations
@@ -30,8 +38,12 @@ __all__ = [
     "effect_records",
     "encode_applied",
     "encode_faust_offset",
+    "decode_engine_change",
     "encode_entry",
     "endpoint_records",
+    "engine_key",
+    "engine_records",
+    "is_engine_key",
     "load_partition",
     "load_partition_in_slices",
     "read_lrus",
@@ -41,6 +53,8 @@ __all__ = [
 ]
 
 _ENTRY = b"\x01"
+_ENGINE = b"\x04"
+_RANKED = (_ENTRY, _ENGINE)  # kinds of key whose values carry the offset of the event that wrote them
 APPLIED_KEY = b"\x02applied"
 # Faust's own record in each partition file: the last changelog offset it holds.
 FAUST_OFFSET_KEY = b"__faust\x00offset__"
@@ -73,6 +87,17 @@ def entry_key(endpoint: str, digest: str) -> bytes:
     return _ENTRY + endpoint.encode() + _hash_bytes(digest)
 
 
+def engine_key(endpoint: str, digest: str | None = None) -> bytes:
+    """Key of one engine-view entry, or (``digest`` None) of the view itself."""
+    name = _ENGINE + endpoint.encode()
+    return name if digest is None else name + _hash_bytes(digest)
+
+
+def is_engine_key(key: bytes) -> bool:
+    """Whether a record is an engine view's."""
+    return key[:1] == _ENGINE
+
+
 def encode_entry(entry: Entry) -> bytes:
     """Value of one LRU entry: its recency rank and its size."""
     return _VALUE.pack(entry.offset, entry.index, entry.size)
@@ -102,6 +127,16 @@ def endpoint_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Itera
         yield prefix + _hash_bytes(digest), pack(0, index, size)
 
 
+def engine_records(endpoint: str, entries: Iterable[tuple[str, int]]) -> Iterator[tuple[bytes, bytes]]:
+    """Records of one whole engine view, its entries given least recently stored first
+    (hash, size), ranked by position after the view's own record (as ``endpoint_records``)."""
+    yield engine_key(endpoint), _VALUE.pack(0, 0, 0)
+    prefix = _ENGINE + endpoint.encode()
+    pack = _VALUE.pack
+    for index, (digest, size) in enumerate(entries):
+        yield prefix + _hash_bytes(digest), pack(0, index + 1, size)
+
+
 def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[bytes, bytes | None]]:
     """The records (``None`` deletes) that mirror one applied event, in the fold's order,
     the applied offset last: a store holding a prefix of them is the state before the
@@ -111,6 +146,10 @@ def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[byte
         yield entry_key(entry.endpoint, entry.hash), encode_entry(entry)
     for endpoint, digest in effects.removals:
         yield entry_key(endpoint, digest), None
+    pack = _VALUE.pack
+    for change in effects.engine:
+        yield (engine_key(change.endpoint, change.hash),
+               None if change.size is None else pack(change.offset, change.index, change.size))
     yield APPLIED_KEY, encode_applied(applied_offset)
 
 
@@ -162,7 +201,7 @@ class ChangelogGate:
                 removals.clear()
             elif value is None:
                 removals.append(item)
-            elif key[:1] != _ENTRY or unpack(value)[0] > self.applied:
+            elif key[:1] not in _RANKED or unpack(value)[0] > self.applied:
                 passed.append(item)
         return passed
 
@@ -187,15 +226,25 @@ def read_lrus(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, Lrus]
 
     The store iterates in key order, so an endpoint's keys come together: the name is
     decoded once per run of keys, not once per entry. Other keys (Faust's own offset
-    record) are ignored.
+    record, engine views) are ignored.
     """
+    applied, lrus, _views = _read(records)
+    return applied, lrus
+
+
+def _read(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, Lrus, Lrus]:
+    """``read_lrus``, and the engine views as the LRUs are (a view without entries is
+    an empty list)."""
     applied: int | None = None
     lrus: Lrus = {}
+    views: Lrus = {}
     prefix, hexed, group = b"", False, None
     for key, value in records:
         if key[:1] != _ENTRY:
             if key == APPLIED_KEY:
                 applied = decode_applied(value)
+            elif key[:1] == _ENGINE:
+                _add_engine_record(views, key, value)
             continue
         if group is None or not key.startswith(prefix):
             at, hexed = _split_entry_key(key)
@@ -203,7 +252,37 @@ def read_lrus(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, Lrus]
             group = lrus.setdefault(key[1:at].decode(), [])
         raw = key[len(prefix):]
         group.append((value, raw.hex() if hexed else raw.decode()))
-    return applied, lrus
+    return applied, lrus, views
+
+
+def _add_engine_record(views: Lrus, key: bytes, value: bytes) -> None:
+    """Put one engine record in ``views``: the view's own makes it exist, an entry's adds
+    its (value, hash)."""
+    name, digest = _engine_parts(key)
+    group = views.get(name)
+    if group is None:
+        group = views[name] = []
+    if digest is not None:
+        group.append((value, digest))
+
+
+def _engine_parts(key: bytes) -> tuple[str, str | None]:
+    """An engine key's endpoint, and its entry's hash (``None``: the view's own key)."""
+    split = _SEPARATOR.search(key, 1)
+    if split is None:
+        return key[1:].decode(), None
+    at = split.start()
+    raw = key[at + 1:]
+    return key[1:at].decode(), raw.hex() if key[at:at + 1] == _HEX else raw.decode()
+
+
+def decode_engine_change(key: bytes, value: bytes | None) -> tuple[str, str | None, int | None] | None:
+    """One changelog record of an engine view as (endpoint, hash or ``None`` for the view
+    itself, size or ``None`` for a removal); ``None`` for records of another kind."""
+    if key[:1] != _ENGINE:
+        return None
+    name, digest = _engine_parts(key)
+    return name, digest, None if value is None else _size_of(value)
 
 
 def decode_change(key: bytes, value: bytes | None) -> tuple[str, str, int | None] | None:
@@ -238,12 +317,16 @@ def read_partition(records: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, 
 
 def load_partition(state: CacheState, partition: int, records: Iterable[tuple[bytes, bytes]]) -> None:
     """Load one partition's store into ``state`` (the fast path of restarts)."""
-    applied, lrus = read_lrus(records)
+    applied, lrus, views = _read(records)
     from_bytes = int.from_bytes
     for endpoint, pairs in lrus.items():
         pairs.sort()
         state.restore_lru(partition, endpoint,
                           [(digest, from_bytes(value[12:16])) for value, digest in pairs])
+    for endpoint, pairs in views.items():
+        pairs.sort()
+        state.engine.replace(partition, endpoint,
+                             [(digest, from_bytes(value[12:16])) for value, digest in pairs])
     state.restore(partition, applied, ())
 
 
@@ -269,6 +352,7 @@ def load_partition_in_slices(state: CacheState, partition: int,
     prefix, name, group = b"", "", []
     hexed, loaded = False, 0
     names: set[str] = set()
+    views: Lrus = {}
 
     def replace() -> int:
         group.sort()
@@ -280,6 +364,8 @@ def load_partition_in_slices(state: CacheState, partition: int,
         if key[:1] != _ENTRY:
             if key == APPLIED_KEY:
                 applied = decode_applied(value)
+            elif key[:1] == _ENGINE:
+                _add_engine_record(views, key, value)
             continue
         if not group or not key.startswith(prefix):
             at, hexed = _split_entry_key(key)
@@ -296,8 +382,16 @@ def load_partition_in_slices(state: CacheState, partition: int,
         group.append((value, raw.hex() if hexed else raw.decode()))
     if group:
         loaded += replace()
+    for endpoint, pairs in views.items():  # the engine views, after every LRU
+        pairs.sort()
+        state.engine.replace(partition, endpoint, [(d, from_bytes(v[12:16])) for v, d in pairs])
+        loaded += len(pairs) + 1
+        if loaded >= entries_per_slice:
+            yield loaded
+            loaded = 0
     yield loaded
-    yield from state.drop_partition_except_in_slices(partition, names, entries_per_slice)
+    yield from state.drop_partition_except_in_slices(partition, names, entries_per_slice,
+                                                     keep_engine=set(views))
     state.set_applied(partition, applied)
 
 

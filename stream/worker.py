@@ -204,7 +204,7 @@ def build_worker(
     )
     table = app.Table(TABLE_NAME, key_type=bytes, value_type=bytes, partitions=partitions)
     changelog = table.changelog_topic.get_topic_name()
-    state = CacheState(settings.capacity)
+    state = CacheState(settings.capacity, settings.engine_view_max_entries)
     client = client_options(settings.kafka)
     follower = ChangelogFollower(bootstrap_servers, changelog, state, client)
     probe = EventLogProbe(bootstrap_servers, settings.events_topic, partitions,
@@ -317,7 +317,8 @@ def build_worker(
                                settings.max_writes_in_flight, settings.kafka, stored)
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.report,
                   write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
-                  match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"))
+                  match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"),
+                  match_source=settings.match_source)
     http = HttpService(api, settings.host, settings.port,
                        HttpService.tls_context(settings.tls_cert, settings.tls_key))
     worker = faust.Worker(app, http, follower, probe, loglevel=settings.log_level, quiet=True)

@@ -10,6 +10,10 @@ The state digest is kept per endpoint: every mutation marks its endpoint dirty (
 set insertion), and ``refresh_digests`` rehashes dirty endpoints a bounded number of
 entries at a time, so a caller on an event loop can spread the work over slices
 (``stream.digest``) instead of hashing a 1M-entry state in one go.
+
+Each endpoint that reports its own cache also has an engine view (``stream.core.engine``,
+``CacheState.engine``), folded from the same log beside the LRUs and covered by the
+same digest; placements never change it, and engine reports never change an LRU.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from itertools import islice
 from sys import intern
 from typing import Any, Literal, NamedTuple, TypedDict
 
+from stream.core.engine import DIGEST_MARK, ENGINE_VIEW_ENTRIES, EngineChange, EngineViews
 from stream.core.events import (
     EndpointDeleted,
     EndpointsSynced,
+    EngineEventsReported,
     Event,
     ItemsPlaced,
     Position,
@@ -89,6 +95,7 @@ class Effects:
 
     upserts: list[Entry] = field(default_factory=list)
     removals: list[tuple[str, str]] = field(default_factory=list)
+    engine: list[EngineChange] = field(default_factory=list)  # engine views' changes, in order
 
 
 @dataclass(slots=True)
@@ -130,7 +137,7 @@ class _Partial(NamedTuple):
     """An endpoint whose digest is being computed across slices."""
 
     name: str
-    cache: EndpointCache
+    cache: Any  # an EndpointCache, or an engine view (stream.core.engine.EngineView)
     hasher: Any
     entries: Iterator[tuple[str, int]]
 
@@ -147,13 +154,14 @@ class CacheState:
     each endpoint hashed since its last change to its part of the combined digest.
     """
 
-    def __init__(self, capacity: Capacity) -> None:
+    def __init__(self, capacity: Capacity, engine_entries: int = ENGINE_VIEW_ENTRIES) -> None:
         self.capacity = capacity
         self._by_size = capacity.mode == "size"
         self.endpoints: dict[str, EndpointCache] = {}
         self.holders: dict[str, set[str]] = {}
         self.applied: dict[int, int] = {}
         self._dirty: set[str] = set()
+        self.engine = EngineViews(engine_entries, self._dirty)
         self._queue: list[str] = []
         self._partial: _Partial | None = None
         self._records: dict[str, bytes] = {}
@@ -179,6 +187,7 @@ class CacheState:
             self._place(event, position, effects)
         elif isinstance(event, EndpointDeleted):
             self._drop(event.endpoint, effects)
+            self.engine.drop(event.endpoint, effects.engine)
         elif isinstance(event, EndpointsSynced):
             if event.live:
                 live = set(event.live)
@@ -189,6 +198,10 @@ class CacheState:
                 ]
                 for name in stale:
                     self._drop(name, effects)
+                for name in self.engine.stale(partition, live):
+                    self.engine.drop(name, effects.engine)
+        elif isinstance(event, EngineEventsReported):
+            self.engine.apply(event, position, effects.engine)
         return effects
 
     def _place(self, event: ItemsPlaced, position: Position, effects: Effects) -> None:
@@ -246,9 +259,12 @@ class CacheState:
     # -- loading from a store ------------------------------------------------------
 
     def drop_partition(self, partition: int) -> None:
-        """Forget one partition's endpoints and offset, before loading it again."""
+        """Forget one partition's endpoints (LRUs and engine views) and offset, before
+        loading it again."""
         for name in [n for n, cache in self.endpoints.items() if cache.partition == partition]:
             self._drop(name, Effects())
+        for name in self.engine.stale(partition, set()):
+            self.engine.drop(name, [])
         self.applied.pop(partition, None)
 
     def drop_partition_in_slices(self, partition: int, entries_per_slice: int) -> Iterator[int]:
@@ -256,16 +272,22 @@ class CacheState:
         endpoints), yielding how many each step released, for a caller on an event loop."""
         names = [n for n, cache in self.endpoints.items() if cache.partition == partition]
         released = yield from self._drop_in_slices(partition, names, entries_per_slice)
+        released += yield from self.engine.drop_in_slices(partition, None, entries_per_slice)
         self.applied.pop(partition, None)
         yield released
 
     def drop_partition_except_in_slices(self, partition: int, keep: set[str],
-                                        entries_per_slice: int) -> Iterator[int]:
-        """Drop the partition's endpoints not in ``keep`` (those a reload did not find in
-        the store), in steps as ``drop_partition_in_slices``; the applied offset stays."""
+                                        entries_per_slice: int,
+                                        keep_engine: set[str] | None = None) -> Iterator[int]:
+        """Drop the partition's LRUs not in ``keep`` and engine views not in
+        ``keep_engine`` (those a reload did not find in the store; ``None`` leaves the
+        views alone), in steps as ``drop_partition_in_slices``; the applied offset stays."""
         names = [n for n, cache in self.endpoints.items()
                  if cache.partition == partition and n not in keep]
         released = yield from self._drop_in_slices(partition, names, entries_per_slice)
+        if keep_engine is not None:
+            released += yield from self.engine.drop_in_slices(partition, keep_engine,
+                                                              entries_per_slice)
         if released:
             yield released
 
@@ -293,20 +315,22 @@ class CacheState:
             self.applied[partition] = applied
 
     def export(self) -> tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, set[str]],
-                              dict[int, int]]:
+                              dict[int, int], dict[str, tuple[int, dict[str, int], int]]]:
         """The state as plain dicts, sets and tuples, e.g. to ``marshal`` it to another
-        process: (endpoint -> (partition, LRU, weight), holders, applied offsets)."""
+        process: (endpoint -> (partition, LRU, weight), holders, applied offsets,
+        endpoint -> (partition, engine view, weight))."""
         endpoints = {name: (c.partition, c.entries, c.weight) for name, c in self.endpoints.items()}
-        return endpoints, self.holders, self.applied
+        return endpoints, self.holders, self.applied, self.engine.export()
 
     @classmethod
-    def from_export(cls, capacity: Capacity, exported: tuple[Any, Any, Any]) -> CacheState:
+    def from_export(cls, capacity: Capacity, exported: tuple[Any, ...]) -> CacheState:
         """Inverse of ``export``."""
-        endpoints, holders, applied = exported
+        endpoints, holders, applied, engine = exported
         state = cls(capacity)
         state.endpoints = {name: EndpointCache(*parts) for name, parts in endpoints.items()}
         state.holders, state.applied = holders, applied
         state._dirty.update(state.endpoints)
+        state.engine.load_export(engine)
         return state
 
     def merge(self, other: CacheState) -> None:
@@ -314,9 +338,11 @@ class CacheState:
         another process); ``other`` is not to be used afterwards."""
         if other.capacity != self.capacity:
             raise ValueError(f"capacity {other.capacity} is not {self.capacity}")
-        if self.applied.keys() & other.applied.keys() or self.endpoints.keys() & other.endpoints.keys():
+        if (self.applied.keys() & other.applied.keys() or self.endpoints.keys() & other.endpoints.keys()
+                or self.engine.views.keys() & other.engine.views.keys()):
             raise ValueError("only states of different partitions can be merged")
         self.endpoints.update(other.endpoints)
+        self.engine.merge(other.engine)
         self.applied.update(other.applied)
         # other's clean digests stay valid; its unfinished ones are redone here
         other.settle_partial()
@@ -468,8 +494,13 @@ class CacheState:
         return [EndpointSummary(name, -count, endpoints[name].weight) for count, name in top]
 
     def endpoint_digests(self) -> dict[str, bytes]:
-        """Per-endpoint hash of its entries in recency order, with sizes."""
-        return {name: _endpoint_digest(cache) for name, cache in self.endpoints.items()}
+        """Per-endpoint hash of its entries in recency order, with sizes; each engine view
+        too, under its endpoint's name after ``DIGEST_MARK`` (so a state without views
+        has the digest it had before views existed)."""
+        digests = {name: _endpoint_digest(cache) for name, cache in self.endpoints.items()}
+        for name, view in self.engine.views.items():
+            digests[DIGEST_MARK + name] = _endpoint_digest(view)
+        return digests
 
     def digest(self) -> str:
         """Hash of the whole state; equal states, and only they, give equal digests.
@@ -513,14 +544,16 @@ class CacheState:
                     return True
                 name = self._queue.pop()
                 dirty.discard(name)
-                cache = endpoints.get(name)
+                cache = endpoints.get(name) if name[:1] != DIGEST_MARK else self.engine.digest_source(name)
                 left -= 1
                 if cache is None:
                     records.pop(name, None)
                     self._combined = None
                     continue
                 partial = self._partial = _start_digest(name, cache)
-            elif partial.name in dirty or endpoints.get(partial.name) is not partial.cache:
+            elif partial.name in dirty or partial.cache is not (
+                    endpoints.get(partial.name) if partial.name[:1] != DIGEST_MARK
+                    else self.engine.digest_source(partial.name)):
                 # changed since this endpoint's hashing began: begin again
                 self._partial = None
                 self._queue.append(partial.name)
@@ -576,7 +609,7 @@ def combine_digests(parts: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def _endpoint_digest(cache: EndpointCache) -> bytes:
+def _endpoint_digest(cache: Any) -> bytes:
     """Strings are length-prefixed so that no two different LRUs encode alike."""
     h = hashlib.sha256()
     h.update(len(cache.entries).to_bytes(8, "big"))
@@ -586,7 +619,7 @@ def _endpoint_digest(cache: EndpointCache) -> bytes:
     return h.digest()
 
 
-def _start_digest(name: str, cache: EndpointCache) -> _Partial:
+def _start_digest(name: str, cache: Any) -> _Partial:
     """Begin ``_endpoint_digest`` of one endpoint, to be fed entry by entry."""
     h = hashlib.sha256()
     h.update(len(cache.entries).to_bytes(8, "big"))

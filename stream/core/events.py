@@ -18,6 +18,11 @@ __all__ = [
     "EndpointDeleted",
     "EndpointName",
     "EndpointsSynced",
+    "EngineCleared",
+    "EngineEvent",
+    "EngineEventsReported",
+    "EngineItemsRemoved",
+    "EngineItemsStored",
     "Event",
     "ItemsPlaced",
     "Position",
@@ -46,20 +51,65 @@ class ItemsPlaced(_Event):
 
 
 class EndpointDeleted(_Event):
-    """The endpoint is gone; its whole LRU is dropped."""
+    """The endpoint is gone; its whole LRU and its engine view are dropped."""
 
     type: Literal["endpoint_deleted"] = "endpoint_deleted"
     endpoint: EndpointName
 
 
 class EndpointsSynced(_Event):
-    """Only ``live`` endpoints exist; every other endpoint is dropped."""
+    """Only ``live`` endpoints exist; every other endpoint is dropped (LRU and engine view)."""
 
     type: Literal["endpoints_synced"] = "endpoints_synced"
     live: list[EndpointName]
 
 
-Event = Annotated[ItemsPlaced | EndpointDeleted | EndpointsSynced, Field(discriminator="type")]
+class _EngineFact(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineItemsStored(_EngineFact):
+    """The model server's encoder cache now holds these items (added, or stored again)."""
+
+    type: Literal["stored"] = "stored"
+    items: list[Item]
+
+
+class EngineItemsRemoved(_EngineFact):
+    """The model server's encoder cache no longer holds these hashes."""
+
+    type: Literal["removed"] = "removed"
+    hashes: list[Annotated[str, StringConstraints(min_length=1)]]
+
+
+class EngineCleared(_EngineFact):
+    """The model server's encoder cache was emptied."""
+
+    type: Literal["cleared"] = "cleared"
+
+
+EngineEvent = Annotated[
+    EngineItemsStored | EngineItemsRemoved | EngineCleared, Field(discriminator="type")
+]
+
+
+class EngineEventsReported(_Event):
+    """The model server ``endpoint`` reported changes of its own encoder cache, in order.
+
+    They change its engine view only (``stream.core.engine``), never its estimate LRU;
+    ``engine`` names the reporting engine (``vllm``) and changes nothing.
+    """
+
+    type: Literal["engine_events_reported"] = "engine_events_reported"
+    endpoint: EndpointName
+    engine: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    events: list[EngineEvent] = Field(min_length=1)
+
+
+Event = Annotated[
+    ItemsPlaced | EndpointDeleted | EndpointsSynced | EngineEventsReported,
+    Field(discriminator="type"),
+]
 
 
 class Position(NamedTuple):

@@ -4,11 +4,14 @@ Pure (no aiohttp, no state): ``stream.http_api`` serves what ``render_match`` re
 and it is compiled with the rest of the match path (``setup.py``). A wide match (many
 endpoint x item pairs) is built in slices instead (``held_by``, ``gather``, then
 ``match_entries``), so that the loop turns between them; both give the same bytes.
+
+Every endpoint entry ends with its ``source``: ``engine`` for the endpoints in ``engine``
+(answered from their engine views), ``estimate`` for the others (their LRUs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Set
 from operator import attrgetter
 
 import orjson
@@ -19,10 +22,13 @@ __all__ = ["answer_ends", "gather", "held_by", "match_entries", "render_match"]
 
 _SIZE = attrgetter("size")
 _EMPTY = b'{"request_items":[],"endpoints":[]}'
+_NONE: frozenset[str] = frozenset()
 
 
-def render_match(items: list[Item], requested: list[str], found: dict[str, list[Item]]) -> bytes:
-    """The /v1/match answer as JSON bytes, equal to serializing ``CacheState.match``.
+def render_match(items: list[Item], requested: list[str], found: dict[str, list[Item]],
+                 engine: Set[str] = _NONE) -> bytes:
+    """The /v1/match answer as JSON bytes, equal to serializing ``CacheState.match`` with
+    each entry's ``source`` (``engine`` for the names in ``engine``, else ``estimate``).
 
     Most candidates hold none of the request's items and their entries differ only in
     the name, so each run of them is one ``str.join`` (``_unmatched``); only endpoints
@@ -32,7 +38,7 @@ def render_match(items: list[Item], requested: list[str], found: dict[str, list[
     if not items:
         return _EMPTY
     return b'{"request_items":%b,"endpoints":[%b]}' % (
-        _items_json(items), b",".join(match_entries(items, requested, found)))
+        _items_json(items), b",".join(match_entries(items, requested, found, engine)))
 
 
 def answer_ends(items: list[Item]) -> tuple[bytes, bytes]:
@@ -41,31 +47,51 @@ def answer_ends(items: list[Item]) -> tuple[bytes, bytes]:
     return b'{"request_items":%b,"endpoints":[' % _items_json(items), b"]}"
 
 
-def match_entries(items: list[Item], requested: list[str],
-                  found: Mapping[str, list[Item]]) -> Iterator[bytes]:
+def match_entries(items: list[Item], requested: list[str], found: Mapping[str, list[Item]],
+                  engine: Set[str] = _NONE) -> Iterator[bytes]:
     """The answer's endpoint entries in request order, to be joined by commas: one part
     for each endpoint that holds items (its cost follows its matched items), and one for
-    each run of the others between them (one ``str.join``)."""
+    each run of the others between them (one ``str.join``). ``engine`` holds requested
+    names only; each run of one source is written as a whole answer's entries would be."""
     total = sum(map(_SIZE, items))
-    tail = f',"matched_items":[],"matched_weight":0,"total_weight":{total},"score":0.0}}'
-    if len(found) < 8:  # a few holders: finding each is cheaper than a pass over all
-        indexes = sorted(map(requested.index, found))
-    else:  # one pass, not one scan of ``requested`` per holder (4,096 x 4,096: 260 ms)
-        indexes = [index for index, name in enumerate(requested) if name in found]
+    if not engine or len(engine) == len(requested):
+        if len(found) < 8:  # a few holders: finding each is cheaper than a pass over all
+            indexes = sorted(map(requested.index, found))
+        else:  # one pass, not one scan of ``requested`` per holder (4,096 x 4,096: 260 ms)
+            indexes = [index for index, name in enumerate(requested) if name in found]
+        yield from _entries(requested, found, total, "engine" if engine else "estimate", indexes)
+        return
+    start, end = 0, len(requested)
+    while start < end:
+        from_engine = requested[start] in engine
+        stop = start + 1
+        while stop < end and (requested[stop] in engine) is from_engine:
+            stop += 1
+        names = requested[start:stop]
+        yield from _entries(names, found, total, "engine" if from_engine else "estimate",
+                            [index for index, name in enumerate(names) if name in found])
+        start = stop
+
+
+def _entries(names: list[str], found: Mapping[str, list[Item]], total: int, source: str,
+             indexes: list[int]) -> Iterator[bytes]:
+    """Entries of ``names``, all of one ``source``; ``indexes`` are those in ``found``."""
+    tail = f',"matched_items":[],"matched_weight":0,"total_weight":{total},"score":0.0,"source":"{source}"}}'
+    raw_source = source.encode()
     start = 0
     for index in indexes:
         if index > start:
-            yield _unmatched(requested[start:index], tail)
-        name = requested[index]
+            yield _unmatched(names[start:index], tail)
+        name = names[index]
         matched = found[name]
         weight = sum(map(_SIZE, matched))
         yield (b'{"endpoint":%b,"matched_items":%b,"matched_weight":%d,'
-               b'"total_weight":%d,"score":%b}' % (
+               b'"total_weight":%d,"score":%b,"source":"%b"}' % (
                    orjson.dumps(name), _items_json(matched), weight, total,
-                   orjson.dumps(weight / total)))
+                   orjson.dumps(weight / total), raw_source))
         start = index + 1
-    if start < len(requested):
-        yield _unmatched(requested[start:], tail)
+    if start < len(names):
+        yield _unmatched(names[start:], tail)
 
 
 def held_by(holders: Mapping[str, set[str]], items: Sequence[Item],

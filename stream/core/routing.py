@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced
+from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, Event, ItemsPlaced
 
 __all__ = ["MisroutedReason", "key_partition", "misrouted", "murmur2"]
 
@@ -63,13 +63,13 @@ def misrouted(event: Event, key: bytes | None, partition: int,
               partitions: int) -> MisroutedReason | None:
     """Why an event may not be applied where it was read, or ``None`` if it may.
 
-    A placement or deletion must be keyed by its endpoint (UTF-8) and sit in that key's
-    partition; a sync is written to every partition and acts on that partition only, so
+    A placement, deletion or engine report must be keyed by its endpoint (UTF-8) and sit
+    in that key's partition; a sync is written to every partition and acts on that partition only, so
     neither its key nor its partition is checked.
     """
     if isinstance(event, EndpointsSynced):
         return None
-    assert isinstance(event, ItemsPlaced | EndpointDeleted)
+    assert isinstance(event, ItemsPlaced | EndpointDeleted | EngineEventsReported)
     expected = event.endpoint.encode()
     if key != expected:
         return "wrong_key"

@@ -24,7 +24,7 @@ from aiokafka.errors import KafkaError
 
 from stream.codec import encode_event
 from stream.config import KafkaSecurity
-from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
+from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
 from stream.kafka.clients import MAX_REQUEST_BYTES, client_options
 
 __all__ = ["EventPublisher", "LogUnavailable", "Overloaded"]
@@ -85,8 +85,9 @@ class EventPublisher:
         """Flush and disconnect."""
         await self._producer.stop()
 
-    async def publish(self, events: Sequence[ItemsPlaced | EndpointDeleted]) -> int:
-        """Append endpoint-keyed events; return how many were acknowledged."""
+    async def publish(self, events: Sequence[ItemsPlaced | EndpointDeleted | EngineEventsReported]) -> int:
+        """Append endpoint-keyed events (each to its endpoint's partition, by Kafka's default
+        partitioner); return how many were acknowledged."""
         records = [(event.endpoint.encode(), None, encode_event(event)) for event in events]
         async with self._write():
             return await self._send(records)

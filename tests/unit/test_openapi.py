@@ -41,7 +41,8 @@ def test_guarded_routes_declare_the_bearer_scheme_and_401(writes, match):
     assert document["openapi"].startswith("3.1")
     assert document["components"]["securitySchemes"]["bearer"] == {
         "type": "http", "scheme": "bearer", "description": document["components"]["securitySchemes"]["bearer"]["description"]}
-    guarded = {"/v1/placements": writes, "/v1/endpoint-events": writes, "/v1/state": writes, "/v1/match": match}
+    guarded = {"/v1/placements": writes, "/v1/endpoint-events": writes, "/v1/engine-events": writes,
+                   "/v1/state": writes, "/v1/match": match}
     for path, methods in document["paths"].items():
         for operation in methods.values():
             needs = guarded.get(path, False)

@@ -1,0 +1,268 @@
+"""Engine views: what each model server reports its own encoder cache holds.
+
+An endpoint that has sent any engine event (``EngineEventsReported``) has an engine view:
+the item hashes its cache holds, with sizes, kept apart from its estimate LRU
+(``stream.core.cache``): placements never change a view, engine events never change an
+LRU. A view exists from the endpoint's first engine event until the endpoint is deleted
+or synced away, even when empty (after ``cleared`` it holds nothing, and says so).
+
+Entries are kept in the order they were last stored, which is the order of the (offset,
+index) at which the log stored them: each durable entry carries that rank, so a restart,
+a follower and ``rebuild`` give back the same order, and the digest (taken in that order)
+agrees. A view holds at most ``max_entries``: past it, the least recently stored entries
+are dropped, as the engine's own eviction would (a view then misses what the engine
+still holds beyond its most recent ``max_entries`` items).
+
+Digests: the state digest covers each view as it covers an LRU, under the endpoint's
+name prefixed by ``DIGEST_MARK`` (a control character, which no endpoint name holds), so
+a state without engine views keeps the digest it always had.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from sys import intern
+from typing import Any, NamedTuple
+
+from stream.core.events import (
+    EngineCleared,
+    EngineEventsReported,
+    EngineItemsRemoved,
+    Position,
+)
+from stream.core.items import Item
+
+__all__ = ["DIGEST_MARK", "ENGINE_VIEW_ENTRIES", "EngineChange", "EngineView", "EngineViews"]
+
+#: Default bound on one engine view: vLLM's default encoder cache (8,192 embeddings)
+#: holds at most this many items even when every item is one embedding.
+ENGINE_VIEW_ENTRIES = 8192
+
+#: Prefix of an engine view's name among the state digest's parts.
+DIGEST_MARK = "\x04"
+
+
+@dataclass(slots=True)
+class EngineView:
+    """One endpoint's engine view: item hash -> size, least recently stored first."""
+
+    partition: int
+    entries: dict[str, int] = field(default_factory=dict)
+    weight: int = 0
+
+
+class EngineChange(NamedTuple):
+    """One durable change of an engine view, in the fold's order: an entry stored at
+    ``(offset, index)`` with ``size``, or removed (``size`` None); with ``hash`` None,
+    the view itself, created at ``offset`` (``size`` 0) or dropped (``size`` None)."""
+
+    endpoint: str
+    hash: str | None
+    size: int | None
+    offset: int
+    index: int
+
+
+class EngineViews:
+    """Every endpoint's engine view, plus an inverted index (hash -> endpoints) so that a
+    match costs what it hits. ``dirty`` is the state's set of digest parts to rehash:
+    every change adds its view's part (``DIGEST_MARK`` + name)."""
+
+    def __init__(self, max_entries: int, dirty: set[str]) -> None:
+        if max_entries < 1:
+            raise ValueError("an engine view holds at least 1 entry")
+        self.max_entries = max_entries
+        self.views: dict[str, EngineView] = {}
+        self.holders: dict[str, set[str]] = {}
+        self._dirty = dirty
+
+    # -- the fold ---------------------------------------------------------------------
+
+    def apply(self, event: EngineEventsReported, position: Position,
+              changes: list[EngineChange]) -> None:
+        """Apply one report's facts in order, appending the durable changes to ``changes``."""
+        name = intern(event.endpoint)
+        offset = position.offset
+        view = self.views.get(name)
+        if view is None:
+            view = self.views[name] = EngineView(position.partition)
+            changes.append(EngineChange(name, None, 0, offset, 0))
+        self._dirty.add(DIGEST_MARK + name)
+        entries, index = view.entries, 0
+        for fact in event.events:
+            if isinstance(fact, EngineItemsRemoved):
+                for digest in fact.hashes:
+                    if digest in entries:
+                        self._remove(view, name, digest, offset, changes)
+            elif isinstance(fact, EngineCleared):
+                for digest in list(entries):
+                    self._remove(view, name, digest, offset, changes)
+            else:
+                for item in fact.items:
+                    digest, size = intern(item.hash), item.size
+                    previous = entries.pop(digest, None)
+                    if previous is None:
+                        self._hold(digest, name)
+                    else:
+                        view.weight -= previous
+                    entries[digest] = size
+                    view.weight += size
+                    changes.append(EngineChange(name, digest, size, offset, index))
+                    index += 1
+                while len(entries) > self.max_entries:
+                    self._remove(view, name, next(iter(entries)), offset, changes)
+
+    def drop(self, name: str, changes: list[EngineChange]) -> None:
+        """Drop one endpoint's view (deleted or synced away), if it has one."""
+        view = self.views.pop(name, None)
+        if view is None:
+            return
+        self._dirty.add(DIGEST_MARK + name)
+        for digest in view.entries:
+            self._release(digest, name)
+            changes.append(EngineChange(name, digest, None, 0, 0))
+        changes.append(EngineChange(name, None, None, 0, 0))
+
+    def stale(self, partition: int, live: set[str]) -> list[str]:
+        """The views of ``partition`` whose endpoint is not in ``live``."""
+        return [name for name, view in self.views.items()
+                if view.partition == partition and name not in live]
+
+    def _remove(self, view: EngineView, name: str, digest: str, offset: int,
+                changes: list[EngineChange]) -> None:
+        view.weight -= view.entries.pop(digest)
+        self._release(digest, name)
+        changes.append(EngineChange(name, digest, None, offset, 0))
+
+    def _hold(self, digest: str, name: str) -> None:
+        held_by = self.holders.get(digest)
+        if held_by is None:
+            self.holders[digest] = {name}
+        else:
+            held_by.add(name)
+
+    def _release(self, digest: str, name: str) -> None:
+        holders = self.holders[digest]
+        holders.discard(name)
+        if not holders:
+            del self.holders[digest]
+
+    # -- loading and following a store -------------------------------------------------
+
+    def follow(self, partition: int, endpoint: str, digest: str | None, size: int | None) -> None:
+        """Mirror one change written by another worker, in the owner's fold order (an
+        upsert is the entry's most recent store); ``digest`` None is the view itself."""
+        name = intern(endpoint)
+        view = self.views.get(name)
+        if digest is None:
+            if size is None:
+                self.drop(name, [])
+            elif view is None:
+                self.views[name] = EngineView(partition)
+                self._dirty.add(DIGEST_MARK + name)
+            return
+        self._dirty.add(DIGEST_MARK + name)
+        if size is None:
+            if view is not None and digest in view.entries:
+                self._remove(view, name, digest, 0, [])
+            return
+        digest = intern(digest)
+        if view is None:
+            view = self.views[name] = EngineView(partition)
+        previous = view.entries.pop(digest, None)
+        if previous is None:
+            self._hold(digest, name)
+        else:
+            view.weight -= previous
+        view.entries[digest] = size
+        view.weight += size
+
+    def replace(self, partition: int, endpoint: str, entries: Iterable[tuple[str, int]]) -> None:
+        """Make one endpoint's view these entries (least recently stored first), swapped
+        in whole so that a match sees the old view or the new one, never a mix."""
+        name = intern(endpoint)
+        old = self.views.get(name)
+        stored = {intern(digest): size for digest, size in entries}
+        for digest in stored:
+            self._hold(digest, name)
+        self.views[name] = EngineView(partition, stored, sum(stored.values()))
+        self._dirty.add(DIGEST_MARK + name)
+        if old is not None:
+            for digest in old.entries:
+                if digest not in stored:
+                    self._release(digest, name)
+
+    def drop_in_slices(self, partition: int, keep: set[str] | None,
+                       entries_per_slice: int) -> Generator[int, None, int]:
+        """Drop the partition's views not in ``keep`` (all of them when ``None``), yielding
+        after about ``entries_per_slice`` entries; returns what the last step released."""
+        names = [name for name, view in self.views.items()
+                 if view.partition == partition and (keep is None or name not in keep)]
+        released = 0
+        for name in names:
+            view = self.views.get(name)
+            if view is None or view.partition != partition:
+                continue
+            released += len(view.entries) + 1
+            self.drop(name, [])
+            if released >= entries_per_slice:
+                yield released
+                released = 0
+        return released
+
+    def export(self) -> dict[str, tuple[int, dict[str, int], int]]:
+        """The views as plain dicts and tuples (endpoint -> (partition, entries, weight))."""
+        return {name: (view.partition, view.entries, view.weight) for name, view in self.views.items()}
+
+    def load_export(self, exported: dict[str, tuple[int, dict[str, int], int]]) -> None:
+        """Take in the views of ``export`` (of other endpoints than these)."""
+        for name, (partition, entries, _weight) in exported.items():
+            self.replace(partition, name, entries.items())
+
+    def merge(self, other: EngineViews) -> None:
+        """Add the views of another state's partitions; ``other`` is not used afterwards."""
+        self.views.update(other.views)
+        for digest, names in other.holders.items():
+            held_by = self.holders.get(digest)
+            if held_by is None:
+                self.holders[digest] = names
+            else:
+                held_by |= names
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def reporting(self, requested: Sequence[str]) -> list[str]:
+        """The requested endpoints that have an engine view, in request order."""
+        views = self.views
+        if not views:
+            return []
+        return [name for name in requested if name in views]
+
+    def hits(self, items: Sequence[Item], names: Iterable[str]) -> dict[str, list[Item]]:
+        """The request items each of ``names`` holds in its view (only those that hold
+        some, items in request order): walks the index from the request's items."""
+        wanted = set(names)
+        found: dict[str, list[Item]] = {}
+        holders = self.holders
+        for item in items:
+            held = holders.get(item.hash)
+            if held:
+                for name in held & wanted:
+                    matched = found.get(name)
+                    if matched is None:
+                        found[name] = [item]
+                    else:
+                        matched.append(item)
+        return found
+
+    def summary(self, limit: int) -> list[tuple[str, int, int]]:
+        """(endpoint, items, weight) of the views with most items first, then by name."""
+        keys = [(-len(view.entries), name) for name, view in self.views.items()]
+        top = heapq.nsmallest(limit, keys) if limit * 8 < len(keys) else sorted(keys)[:limit]
+        return [(name, -count, self.views[name].weight) for count, name in top]
+
+    def digest_source(self, part: str) -> Any:
+        """The view a digest part names (``DIGEST_MARK`` + endpoint), or ``None``."""
+        return self.views.get(part[1:])
