@@ -3,6 +3,7 @@ package mmcache
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -143,4 +144,18 @@ func TestMatchDecodesTheSourceOfEachEntryAndEmptyWhenNotGiven(t *testing.T) {
 	if resp.Endpoints[0].Source != "engine" || resp.Endpoints[1].Source != "" {
 		t.Errorf("sources = %q, %q", resp.Endpoints[0].Source, resp.Endpoints[1].Source)
 	}
+}
+
+// The gateway names each media part before it forwards the request to vLLM: the
+// engine then names the item by the hash mmcache uses.
+func ExampleSetItemUUIDs() {
+	raw := []byte(`{"model": "m", "messages": [{"role": "user", "content": [
+		{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}`)
+	named, err := SetItemUUIDs(raw)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Println(string(named))
+	// Output:
+	// {"messages":[{"content":[{"image_url":{"url":"https://example.com/cat.png"},"type":"image_url","uuid":"d50305b9b95c0802394f12dc4272f0ec02cff6be30df6ff1a9de0768010548c9"}],"role":"user"}],"model":"m"}
 }
