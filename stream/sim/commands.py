@@ -243,16 +243,16 @@ def _add_tune(commands: argparse._SubParsersAction) -> None:  # type: ignore[typ
                       "simulator's costs; prefix: says why it cannot)")
     tune.add_argument("--encoder-cache-size", type=int, default=None,
                       help="the servers' encoder cache in embeddings (vLLM logs 'encoder_cache_size'; "
-                      f"when not given {DEFAULT_ENCODER_CACHE_SIZE}, vLLM's max_num_batched_tokens for "
-                      "its OpenAI server on GPUs of 70 GiB or more, is assumed and said)")
+                      f"default {DEFAULT_ENCODER_CACHE_SIZE}, assumed and said: vLLM's "
+                      "max_num_batched_tokens for its OpenAI server on GPUs of 70 GiB or more)")
     tune.add_argument("--processor-cache-gb", type=float, default=DEFAULT_PROCESSOR_CACHE_GB,
                       help="the servers' processor cache in GiB (vLLM's mm_processor_cache_gb; "
                       "0: disabled, not replayed)")
     tune.add_argument("--bytes-per-embedding", default=_bytes_text(DEFAULT_BYTES_PER_EMBEDDING),
                       help="bytes of processed input per encoder embedding, by modality "
                       "(modality=bytes, comma-separated; a modality not named weighs as image): "
-                      "what the processor cache counts. The default is Qwen2/2.5-VL in bf16 "
-                      "(docs/simulation.md)")
+                      "what the processor cache counts (default %(default)s: Qwen2/2.5-VL in bf16, "
+                      "docs/simulation.md)")
     tune.add_argument("--items", default=None,
                       help="comma-separated items-mode capacities (default 1, 2, 4 .. 4096)")
     tune.add_argument("--embeddings", default=None,

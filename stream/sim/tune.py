@@ -475,13 +475,15 @@ def advise(events: Sequence[tuple[Position, Event]], capacities: Sequence[Capaci
            on_progress: Callable[[int], None] | None = None) -> TuneReport:
     """Replay each layer's truth, sweep ``capacities`` against them all, and recommend per
     layer; the target is ``layer`` when given, else :func:`target_layer`. Each truth's
-    own capacity (:func:`capacity_for_layer`) is added to the sweep. ``not_replayed``
+    own capacity (:func:`capacity_for_layer`) is added to the sweep, which runs items
+    mode then size mode, each from the smallest. ``not_replayed``
     says, per layer, why it has no truth (the prefix layer never has one)."""
     facts = facts if facts is not None else survey(events)
     notes = {"prefix": PREFIX_NOT_PREDICTED, **(not_replayed or {})}
     sweep_over = list(capacities)
     owns = {truth.layer: capacity_for_layer(truth, events, facts.sizes_known) for truth in truths}
     sweep_over += [own for own in dict.fromkeys(owns.values()) if own not in sweep_over]
+    sweep_over.sort(key=lambda c: (c.mode != "items", c.per_endpoint))
     replays = []
     for truth in truths:
         replays.append(replay_layer(events, truth))

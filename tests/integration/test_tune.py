@@ -53,19 +53,27 @@ async def _publish(bootstrap: str, topic: str) -> None:
 def test_tune_reads_the_topic_and_export_writes_what_tune_reads_from_a_file(bootstrap, tmp_path, capsys):
     topic = f"tune-{uuid.uuid4().hex[:8]}-events"
     asyncio.run(_publish(bootstrap, topic))
-    # the hand-worked log twice has 6 repeats, under the default floor (MIN_REPEATS)
+    # the hand-worked log twice has 6 repeats, under the default floor (MIN_REPEATS); the
+    # encoder cache of 7 holds 2 of them, the 4 GiB processor cache all 6
     common = ["--items", "1,2,4", "--embeddings", "7", "--encoder-cache-size", "7", "--format", "json",
-              "--min-repeats", "6"]
+              "--min-repeats", "2"]
     _run(["tune", "--bootstrap-servers", bootstrap, "--topic", topic, "--plot",
           str(tmp_path / "t.svg"), *common])
     from_topic = json.loads(capsys.readouterr().out)
-    rows = {(r["mode"], r["capacity"]): r for r in from_topic["rows"]}
+    named = {("items", 1), ("items", 2), ("items", 4), ("size", 7)}  # the sweep adds each layer's own
+    layers = {name: {(r["mode"], r["capacity"]): r for r in from_topic["layers"][name]["rows"]
+                     if (r["mode"], r["capacity"]) in named} for name in ("processor", "encoder")}
     # two endpoints, each the hand-worked log: twice its counts; the stray record skipped
-    assert {k: r["hits"] for k, r in rows.items()} == {
-        ("items", 1): 0, ("items", 2): 4, ("items", 4): 6, ("size", 7): 2}
-    assert {k: r["false_hits"] for k, r in rows.items()} == {
+    for rows in layers.values():
+        assert {k: r["hits"] for k, r in rows.items()} == {
+            ("items", 1): 0, ("items", 2): 4, ("items", 4): 6, ("size", 7): 2}
+        assert all(r["placed"] == 12 for r in rows.values())
+    assert {k: r["false_hits"] for k, r in layers["encoder"].items()} == {
         ("items", 1): 0, ("items", 2): 2, ("items", 4): 4, ("size", 7): 0}
-    assert all(r["placed"] == 12 for r in rows.values())
+    assert {k: r["missed_hits"] for k, r in layers["processor"].items()} == {
+        ("items", 1): 6, ("items", 2): 2, ("items", 4): 0, ("size", 7): 4}
+    assert from_topic["layers"]["encoder"]["recommended"]["flag"] == "--cache-size-embeddings-per-server 7"
+    assert (from_topic["layers"]["processor"]["true_hits"], from_topic["layers"]["encoder"]["true_hits"]) == (6, 2)
     assert from_topic["skipped"] == {"wrong_partition": 1}
     assert (tmp_path / "t.svg").read_text().startswith("<svg")
 
@@ -76,6 +84,7 @@ def test_tune_reads_the_topic_and_export_writes_what_tune_reads_from_a_file(boot
     _run(["tune", "--input", str(exported), "--plot", "", *common])
     from_file = json.loads(capsys.readouterr().out)
     assert from_file["rows"] == from_topic["rows"]
+    assert from_file["layers"] == from_topic["layers"]
     assert from_file["recommended"] == from_topic["recommended"]
 
 
