@@ -397,7 +397,8 @@ def _tune(args: argparse.Namespace) -> None:
         else:
             not_replayed["processor"] = ("not replayed: --processor-cache-gb 0 (vLLM then keeps no "
                                          "processor cache)")
-        truths.append(Truth("encoder", encoder_size or DEFAULT_ENCODER_CACHE_SIZE, model))
+        truths.append(Truth("encoder", encoder_size or DEFAULT_ENCODER_CACHE_SIZE, model,
+                            assumed=encoder_size is None))
     capacities = default_capacities()
     if items is not None:
         capacities = [c for c in capacities if c.mode != "items"] + [Capacity("items", n) for n in items]
@@ -414,16 +415,15 @@ def _tune(args: argparse.Namespace) -> None:
     report = advise(events, capacities, truths, _hit_costs(), facts=facts, not_replayed=not_replayed,
                     layer=args.layer, min_repeats=args.min_repeats, on_progress=advance)
     progress.update(done, final=True)
-    assumed = encoder_size is None and any(t.layer == "encoder" for t in truths)
     if args.plot and report.choice is not None:
         against = "" if report.target is None else f", false hits against the {report.target} layer"
         title = f"hit ratio against capacity over {facts.placed:,} placed items{against}"
         Path(args.plot).write_text(tune_svg(report.rows, report.choice, title))
     if args.format == "json":
-        sys.stdout.write(orjson.dumps(tune_document(report, skipped, assumed),
+        sys.stdout.write(orjson.dumps(tune_document(report, skipped),
                                       option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        print(format_tune(report, skipped, assumed))
+        print(format_tune(report, skipped))
         if args.plot and report.choice is not None:
             print(f"plot: {args.plot}")
     if report.refused is not None:
@@ -458,11 +458,9 @@ def _choice_doc(choice) -> dict[str, object] | None:  # type: ignore[no-untyped-
             "flag": _flag(choice.row.capacity), "reason": choice.reason}
 
 
-def tune_document(report, skipped: dict[str, int], assumed: bool = False) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def tune_document(report, skipped: dict[str, int]) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """``tune --format json``: the target layer's rows and recommendation at the top (as
     before layers), every layer under ``layers``."""
-    from stream.sim.tune import saved_ms
-
     facts = report.facts
     layers: dict[str, object] = {}
     for advice in report.layers:
@@ -473,8 +471,7 @@ def tune_document(report, skipped: dict[str, int], assumed: bool = False) -> dic
         layers[advice.layer] = {
             "replayed": True, "truth": truth.describe(), "capacity": truth.capacity,
             "unit": "bytes" if truth.layer == "processor" else "embeddings",
-            "assumed": assumed and truth.layer == "encoder",
-            "true_hits": advice.replay.hits, "saved_ms": saved_ms(advice.replay, _hit_costs()),
+            "assumed": truth.assumed, "true_hits": advice.replay.hits, "saved_ms": advice.saved_ms,
             "rows": [_row_doc(r) for r in advice.rows], "recommended": _choice_doc(advice.choice),
             "refused": advice.refused}
         if truth.layer == "processor":
@@ -492,12 +489,12 @@ def tune_document(report, skipped: dict[str, int], assumed: bool = False) -> dic
     return doc
 
 
-def format_tune(report, skipped: dict[str, int], assumed: bool = False) -> str:  # type: ignore[no-untyped-def]
+def format_tune(report, skipped: dict[str, int]) -> str:  # type: ignore[no-untyped-def]
     """The terminal report: a table per replayed layer with its best capacity (or why
     none), why the others are not replayed, then the target layer and its recommendation
     (none when ``report.choice`` is None)."""
     lines: list[str] = []
-    if report.target is None:
+    if all(advice.replay is None for advice in report.layers):  # hit ratios alone
         lines.extend(_table(report.rows, report.choice, "  <- recommended"))
     for advice in report.layers:
         if lines:
@@ -506,7 +503,7 @@ def format_tune(report, skipped: dict[str, int], assumed: bool = False) -> str: 
             lines.append(f"{advice.layer} layer: {advice.refused}")
             continue
         guess = (" (assumed: vLLM's default on GPUs of 70 GiB or more, 2,048 on others; give the "
-                 "servers' own with --encoder-cache-size)" if assumed and advice.layer == "encoder" else "")
+                 "servers' own with --encoder-cache-size)" if advice.replay.truth.assumed else "")
         lines.append(f"{advice.layer} layer: {advice.replay.truth.describe()}{guess} per server held "
                      f"{advice.replay.hits:,} of {report.facts.repeats:,} repeat placements")
         mark = "  <- recommended" if advice.layer == report.target else "  <- best for this layer"

@@ -146,11 +146,13 @@ class ItemModel:
 @dataclass(frozen=True, slots=True)
 class Truth:
     """One layer's true cache on every server: ``capacity`` bytes (processor) or
-    embeddings (encoder), items weighed by ``items``."""
+    embeddings (encoder), items weighed by ``items``; ``assumed`` when the capacity is a
+    default, not the servers' own."""
 
     layer: Literal["processor", "encoder"]
     capacity: int
     items: ItemModel = ItemModel()
+    assumed: bool = False
 
     def describe(self) -> str:
         """The cache in words, for reasons and headings."""
@@ -448,13 +450,15 @@ class LayerAdvice:
     rows: tuple[TuneRow, ...] = ()
     choice: Recommendation | None = None
     refused: str | None = None
+    saved_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TuneReport:
     """Every layer's advice, and the one the recommendation targets (``target``; None
-    when no layer was replayed: then ``rows`` and ``choice`` are the hit ratios' upper
-    bound)."""
+    when no layer was replayed and none was chosen: then ``choice`` is the hit ratios'
+    upper bound). ``rows`` are the target's, or the hit ratios alone when no layer was
+    replayed."""
 
     facts: Survey
     layers: tuple[LayerAdvice, ...]
@@ -497,13 +501,14 @@ def advise(events: Sequence[tuple[Position, Event]], capacities: Sequence[Capaci
             sections.append(LayerAdvice(name, None, refused=notes.get(name, "not replayed")))
             continue
         own_rows = tuple(r for r in rows if r.layer == name)
+        saved = saved_ms(replay, costs)
         try:
             sections.append(LayerAdvice(name, replay, own_rows,
                                         recommend(own_rows, replay, facts=facts, min_repeats=min_repeats,
-                                                  own=owns[name])))
+                                                  own=owns[name]), saved_ms=saved))
         except NoRecommendation as exc:
-            sections.append(LayerAdvice(name, replay, own_rows, refused=str(exc)))
-    if not replays:
+            sections.append(LayerAdvice(name, replay, own_rows, refused=str(exc), saved_ms=saved))
+    if not replays and layer is None:
         try:
             choice, refused = recommend(rows, facts=facts, min_repeats=min_repeats), None
         except NoRecommendation as exc:
@@ -511,16 +516,13 @@ def advise(events: Sequence[tuple[Position, Event]], capacities: Sequence[Capaci
         why = "; ".join(f"{s.layer}: {s.refused}" for s in sections if s.layer != "prefix")
         return TuneReport(facts, tuple(sections), None, f"no layer was replayed ({why})", tuple(rows),
                           choice, refused)
-    if layer is None:
-        chosen = target_layer(replays, costs)
-        assert chosen is not None
-        target, reason = chosen.layer, f"by default: {chosen.reason}"
-    else:
-        target, reason = layer, "chosen with --layer"
+    chosen = target_layer(replays, costs) if layer is None else Target(layer, "")
+    assert chosen is not None
+    target, reason = chosen.layer, f"by default: {chosen.reason}" if layer is None else "chosen with --layer"
     advice = next(s for s in sections if s.layer == target)
     refused = advice.refused if advice.replay is not None else f"the {target} layer is {advice.refused}"
-    return TuneReport(facts, tuple(sections), target, reason, advice.rows, advice.choice,
-                      None if advice.choice is not None else refused)
+    return TuneReport(facts, tuple(sections), target, reason, advice.rows if replays else tuple(rows),
+                      advice.choice, None if advice.choice is not None else refused)
 
 
 def _pct(value: float | None) -> str:

@@ -224,3 +224,21 @@ def test_which_layer_is_targeted_follows_the_costs():
                     facts=survey(log))
     assert report.target == "encoder" and report.layer("processor").refused == "not replayed"
     assert report.layer("prefix").replay is None
+
+
+def test_a_chosen_layer_that_cannot_be_replayed_says_why_instead_of_recommending_another(tmp_path, capsys):
+    unsized = _export(tmp_path / "chat.jsonl", [("ns/a", [Item(f"u{n % 3}", 1, "image")]) for n in range(900)])
+    with pytest.raises(SystemExit, match="the encoder layer is not replayed: 900 of 900 placed items carry "
+                       "no size .* give --mean-item-embeddings"):
+        _run(["tune", "--input", str(unsized), "--plot", "", "--layer", "encoder"])
+    out = capsys.readouterr().out
+    assert "recommended" not in out and "hit ratio" in out  # the hit ratios are still given
+    with pytest.raises(SystemExit, match="the prefix layer is not predicted"):
+        _run(["tune", "--input", str(unsized), "--plot", "", "--layer", "prefix"])
+    capsys.readouterr()
+    sized = _export(tmp_path / "log.jsonl", _layered())
+    with pytest.raises(SystemExit, match="the processor layer is not replayed: --processor-cache-gb 0"):
+        _run(["tune", "--input", str(sized), "--plot", "", "--layer", "processor", "--processor-cache-gb", "0"])
+    capsys.readouterr()
+    given = _tune_json(capsys, sized, "--encoder-cache-size", "8192")
+    assert given["layers"]["encoder"]["assumed"] is False
