@@ -141,5 +141,68 @@ def request(request_id: str, items: list[tuple[str, int]], gap: int = 0) -> Requ
     return Request(request_id, features)
 
 
+BLOCK_POOL = "vllm/v1/core/block_pool.py"
+KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+
+
+def _provide(name: str, **attrs: object) -> types.ModuleType:
+    """Like ``_module``, but leaves an attribute another loader already set alone."""
+    module = _module(name)
+    for key, value in attrs.items():
+        if not hasattr(module, key):
+            setattr(module, key, value)
+    return module
+
+
+def _stub(name: str) -> type:
+    """A distinct stand-in class for a vLLM name used only in hints and unused paths."""
+    return type(name, (_Stub,), {})
+
+
+def _unused(*args: object, **kwargs: object) -> None:
+    raise NotImplementedError("a vLLM function stubbed out by tests/vllm_wheel.py was called")
+
+
+def _load(name: str, member: str) -> types.ModuleType:
+    module = _module(name)
+    module.__file__ = f"{wheel()}/{member}"
+    exec(compile(source(member), module.__file__, "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def block_pool() -> types.ModuleType:
+    """vLLM's ``vllm.v1.core.block_pool`` module (with its ``kv_cache_utils``), from the
+    wheel: ``BlockPool``, its free queue and its hash map, as the prefix cache keeps them.
+
+    The two modules import more of vLLM (its KV cache specs, hashing, metrics, KV
+    events, the multimodal window helper); those names are stubbed, and the stubs raise if
+    called: they serve only paths the pool takes with KV events and metrics off (its
+    ``cache_full_blocks`` reads ``request.block_hashes`` and nothing else of a request).
+    """
+    name = "vllm.v1.core.block_pool"
+    loaded = sys.modules.get(name)
+    if loaded is not None and hasattr(loaded, "BlockPool"):
+        return loaded
+    _provide("vllm.envs", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=False)
+    _provide("vllm.config", VllmConfig=_Stub)
+    _provide("vllm.logger", init_logger=logging.getLogger)
+    _provide("vllm.multimodal.utils", get_mm_features_in_window=_unused)
+    _provide("vllm.utils.hashing", xxhash=lambda data: _unused(), xxhash_cbor=lambda data: _unused())
+    _provide("vllm.utils.math_utils", cdiv=lambda a, b: -(-a // b))
+    _provide("vllm.v1.kv_cache_interface", iter_layer_specs=_unused, **{
+        stub: _stub(stub) for stub in ("KVCacheConfig", "KVCacheGroupSpec", "KVCacheSpec",
+                                       "MambaSpec", "UniformTypeKVCacheSpecs")})
+    _provide("vllm.v1.kv_cache_spec_registry", KVCacheSpecRegistry=_stub("KVCacheSpecRegistry"))
+    _provide("vllm.v1.request", Request=_Stub)
+    _provide("vllm.v1.utils", tensor_data=_unused)
+    _provide("vllm.v1.metrics.stats", KVCacheEvictionEvent=_stub("KVCacheEvictionEvent"))
+    _provide("vllm.distributed.kv_events", MEDIUM_GPU="GPU", **{
+        stub: _stub(stub) for stub in ("AllBlocksCleared", "BlockRemoved", "BlockStored",
+                                       "KVCacheEvent")})
+    _load("vllm.v1.core.kv_cache_metrics", "vllm/v1/core/kv_cache_metrics.py")
+    _load("vllm.v1.core.kv_cache_utils", KV_CACHE_UTILS)
+    return _load(name, BLOCK_POOL)
+
+
 if __name__ == "__main__":
     print(wheel())

@@ -1,0 +1,208 @@
+"""The prefix cache model against vLLM's own ``BlockPool``, op by op.
+
+The engine's scheduler and its KV cache manager (``stream.sim.prefix.PrefixCache``) run
+the same seeded traces twice: over ``stream.sim.prefix.BlockPool`` and over vLLM's
+``BlockPool`` with its free queue (``vllm/v1/core/block_pool.py`` and
+``kv_cache_utils.py``, loaded from the wheel by ``tests/vllm_wheel.py``). Compared in
+order: every hit lookup (the block a hash finds, or none), every block handed out with
+the hash it lost (an eviction) and the free-block count before every allocation. The
+traces share system prompts and items (hits), and some have a KV cache small enough that
+cached blocks are evicted and requests preempted.
+
+The wheel is fetched if missing; a run that cannot get it fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from stream.sim.encoder import EncoderCache
+from stream.sim.engine import Scheduler
+from stream.sim.prefix import BlockPool, PrefixCache
+from tests import vllm_wheel
+from tests.unit.test_vllm_encoder_differential import TOKEN_BUDGET, Trace, config, workload
+
+
+def as_bytes(block_hash: int) -> bytes:
+    return block_hash.to_bytes(8, "big", signed=True)
+
+
+class VllmPool:
+    """vLLM's ``BlockPool`` behind the pool operations the manager makes."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = vllm_wheel.block_pool().BlockPool(num_blocks, True, block_size)
+        self.block_size = block_size
+
+    def cached_block(self, block_hash: int) -> Hashable | None:
+        found = self.pool.get_cached_block(as_bytes(block_hash), [0])
+        return found[0] if found else None
+
+    def is_evictable(self, block: Hashable) -> bool:
+        return block.ref_cnt == 0 and not block.is_null  # what vLLM's manager counts
+
+    def num_free(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def new_blocks(self, count: int) -> list[Hashable]:
+        return self.pool.get_new_blocks(count)
+
+    def touch(self, blocks: Sequence[Hashable]) -> None:
+        self.pool.touch(blocks)
+
+    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[int], first: int, end: int) -> None:
+        request = SimpleNamespace(block_hashes=[as_bytes(h) for h in hashes])
+        self.pool.cache_full_blocks(request, list(blocks), first, end, self.block_size, 0)
+
+    def free_blocks(self, ordered: Iterable[Hashable]) -> None:
+        self.pool.free_blocks(ordered)
+
+    def hash_of(self, block: Hashable) -> int | None:
+        key = block.block_hash
+        return None if key is None else int.from_bytes(key[:-4], "big", signed=True)
+
+
+class OurPool(BlockPool):
+    """Ours, with the same ``hash_of`` the recorder reads."""
+
+    def hash_of(self, block: Hashable) -> int | None:
+        return self.block_hash[block]  # type: ignore[index]
+
+
+def block_id(block: Hashable | None) -> int | None:
+    return block if block is None or isinstance(block, int) else block.block_id
+
+
+@dataclass
+class Recorder:
+    """Passes every pool operation on and writes down what came of it."""
+
+    pool: VllmPool | OurPool
+    hits: list[int | None] = field(default_factory=list)
+    evictions: list[tuple[int, int | None]] = field(default_factory=list)
+    free_counts: list[int] = field(default_factory=list)
+
+    def cached_block(self, block_hash: int) -> Hashable | None:
+        found = self.pool.cached_block(block_hash)
+        self.hits.append(block_id(found))
+        return found
+
+    def is_evictable(self, block: Hashable) -> bool:
+        return self.pool.is_evictable(block)
+
+    def num_free(self) -> int:
+        count = self.pool.num_free()
+        self.free_counts.append(count)
+        return count
+
+    def new_blocks(self, count: int) -> list[Hashable]:
+        before = {block_id(b): self.pool.hash_of(b) for b in self._free_head(count)}
+        taken = self.pool.new_blocks(count)
+        self.evictions.extend((block_id(b), before[block_id(b)]) for b in taken)
+        return taken
+
+    def _free_head(self, count: int) -> list[Hashable]:
+        if isinstance(self.pool, VllmPool):
+            queue = self.pool.pool.free_block_queue
+            return [b for b, _ in zip(queue.iter_blocks_after(None), range(count), strict=False)]
+        return list(self.pool.free_queue)[:count]
+
+    def touch(self, blocks: Sequence[Hashable]) -> None:
+        self.pool.touch(blocks)
+
+    def cache_blocks(self, blocks: Sequence[Hashable], hashes: Sequence[int], first: int, end: int) -> None:
+        self.pool.cache_blocks(blocks, hashes, first, end)
+
+    def free_blocks(self, ordered: Iterable[Hashable]) -> None:
+        self.pool.free_blocks(ordered)
+
+
+TRACES = [
+    Trace(200 + seed, cache, running, kv_blocks, requests=80)
+    for seed, (cache, running, kv_blocks) in enumerate([
+        (8192, 3, 1300), (8192, 8, 1400), (65_536, 4, 1500), (65_536, 8, 20_000), (16_384, 2, 1300),
+    ])
+]
+
+
+def run(trace: Trace, pool: VllmPool | OurPool) -> tuple[Recorder, list[object]]:
+    recorder = Recorder(pool)
+    cfg = config(trace)
+    prefix = PrefixCache(recorder, cfg.block_size)  # type: ignore[arg-type]
+    scheduler = Scheduler(cfg, EncoderCache(trace.cache, max(TOKEN_BUDGET, 3600)), prefix)
+    arrivals = workload(trace)
+    steps: list[object] = []
+    step = 0
+    while arrivals or scheduler.waiting or scheduler.running:
+        while arrivals and arrivals[0][0] <= step:
+            scheduler.add(arrivals.pop(0)[1])
+        plan = scheduler.schedule()
+        _, finished = scheduler.update(plan)
+        steps.append((plan.tokens, plan.preempted, finished))
+        step += 1
+        assert step < 100_000, "the trace does not drain"
+    return recorder, steps
+
+
+@functools.cache
+def vllm_run(number: int) -> tuple[Recorder, list[object]]:
+    """Trace ``number`` over vLLM's pool (run once per process)."""
+    cfg = config(TRACES[number])
+    return run(TRACES[number], VllmPool(cfg.kv_blocks, cfg.block_size))
+
+
+def compare(pool: type[OurPool], traces: Iterable[int] = range(len(TRACES))) -> dict[str, tuple[int, int]]:
+    """Per kind of operation, (agreeing, compared) over the traces numbered, ``pool``
+    against vLLM's; the schedules must be the same for a pool that agrees."""
+    totals = {"hits": [0, 0], "evictions": [0, 0], "free_counts": [0, 0]}
+    for number in traces:
+        trace, (theirs, their_steps) = TRACES[number], vllm_run(number)
+        ours, our_steps = run(trace, pool(config(trace).kv_blocks))
+        for name, total in totals.items():
+            a, b = getattr(ours, name), getattr(theirs, name)
+            total[0] += sum(x == y for x, y in zip(a, b, strict=False))
+            total[1] += max(len(a), len(b))
+        if pool is OurPool:
+            assert our_steps == their_steps, f"trace {trace}: the schedules differ"
+    return {name: (same, compared) for name, (same, compared) in totals.items()}
+
+
+def test_the_prefix_cache_model_agrees_with_vllms_block_pool_op_by_op():
+    for name, (same, compared) in compare(OurPool).items():
+        print(f"{name}: {same}/{compared} agree ({same / compared:.4%})")
+        assert compared > 1000
+        assert same / compared >= 0.999, name
+    theirs = [vllm_run(number) for number in range(len(TRACES))]
+    found = sum(block is not None for recorder, _ in theirs for block in recorder.hits)
+    evicted = sum(digest is not None for recorder, _ in theirs for _, digest in recorder.evictions)
+    preempted = sum(len(p) for _, steps in theirs for _, p, _ in steps)
+    print(f"blocks hit {found}, cached blocks evicted {evicted}, preemptions {preempted}")
+    assert found > 1000 and evicted > 100 and preempted > 0
+
+
+class FreesUncachedLast(OurPool):
+    """Wrong: blocks without a hash join the tail of the free queue too."""
+
+    def free_blocks(self, ordered: Iterable[Hashable]) -> None:
+        for block in ordered:
+            self.refs[block] -= 1  # type: ignore[index]
+            if self.refs[block] == 0:  # type: ignore[index]
+                self.free_queue[block] = None  # type: ignore[index]
+
+
+class FreesInGivenOrderReversed(OurPool):
+    """Wrong: a request's blocks are queued first block first."""
+
+    def free_blocks(self, ordered: Iterable[Hashable]) -> None:
+        super().free_blocks(list(ordered)[::-1])
+
+
+@pytest.mark.parametrize("pool", [FreesUncachedLast, FreesInGivenOrderReversed])
+def test_the_comparison_catches_a_pool_that_breaks_one_rule(pool):
+    agreed = compare(pool, [0, 4])
+    assert any(same / compared < 0.999 for same, compared in agreed.values()), agreed
