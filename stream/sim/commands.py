@@ -504,8 +504,9 @@ def format_tune(report, skipped: dict[str, int]) -> str:  # type: ignore[no-unty
             continue
         guess = (" (assumed: vLLM's default on GPUs of 70 GiB or more, 2,048 on others; give the "
                  "servers' own with --encoder-cache-size)" if advice.replay.truth.assumed else "")
-        lines.append(f"{advice.layer} layer: {advice.replay.truth.describe()}{guess} per server held "
-                     f"{advice.replay.hits:,} of {report.facts.repeats:,} repeat placements")
+        lines.append(f"{advice.layer} layer: {advice.replay.truth.describe()} per server{guess}; its "
+                     f"true caches held {advice.replay.hits:,} of the {report.facts.repeats:,} repeat "
+                     "placements")
         mark = "  <- recommended" if advice.layer == report.target else "  <- best for this layer"
         lines.extend(_table(advice.rows, advice.choice, mark))
         if advice.choice is not None:
