@@ -82,7 +82,11 @@ class EngineViews:
 
     def apply(self, event: EngineEventsReported, position: Position,
               changes: list[EngineChange]) -> None:
-        """Apply one report's facts in order, appending the durable changes to ``changes``."""
+        """Apply one report's facts in order, appending its net durable changes to
+        ``changes``: the view's creation, each entry it leaves stored (in the order it
+        was last stored), then each entry it took out, once, so that no record of one
+        key follows another of the same key within the event (``ChangelogGate`` holds an
+        event's removals back until its end)."""
         name = intern(event.endpoint)
         offset = position.offset
         view = self.views.get(name)
@@ -91,28 +95,44 @@ class EngineViews:
             changes.append(EngineChange(name, None, 0, offset, 0))
         self._dirty.add(DIGEST_MARK + name)
         entries, index = view.entries, 0
+        held_before: dict[str, bool] = {}  # every hash touched: whether the view held it before
+        last_stored: dict[str, int] = {}  # hash -> index of its last store in this event
         for fact in event.events:
             if isinstance(fact, EngineItemsRemoved):
                 for digest in fact.hashes:
                     if digest in entries:
-                        self._remove(view, name, digest, offset, changes)
+                        held_before.setdefault(digest, True)
+                        self._take_out(view, name, digest)
             elif isinstance(fact, EngineCleared):
-                for digest in list(entries):
-                    self._remove(view, name, digest, offset, changes)
+                for digest in entries:
+                    held_before.setdefault(digest, True)
+                    self._release(digest, name)
+                entries.clear()
+                view.weight = 0
             else:
                 for item in fact.items:
                     digest, size = intern(item.hash), item.size
                     previous = entries.pop(digest, None)
+                    held_before.setdefault(digest, previous is not None)
                     if previous is None:
                         self._hold(digest, name)
                     else:
                         view.weight -= previous
                     entries[digest] = size
                     view.weight += size
-                    changes.append(EngineChange(name, digest, size, offset, index))
+                    last_stored[digest] = index
                     index += 1
                 while len(entries) > self.max_entries:
-                    self._remove(view, name, next(iter(entries)), offset, changes)
+                    evicted = next(iter(entries))
+                    held_before.setdefault(evicted, True)
+                    self._take_out(view, name, evicted)
+        for digest, at in sorted(last_stored.items(), key=lambda pair: pair[1]):
+            size = entries.get(digest)
+            if size is not None:
+                changes.append(EngineChange(name, digest, size, offset, at))
+        for digest, held in held_before.items():
+            if held and digest not in entries:
+                changes.append(EngineChange(name, digest, None, offset, 0))
 
     def drop(self, name: str, changes: list[EngineChange]) -> None:
         """Drop one endpoint's view (deleted or synced away), if it has one."""
@@ -130,11 +150,9 @@ class EngineViews:
         return [name for name, view in self.views.items()
                 if view.partition == partition and name not in live]
 
-    def _remove(self, view: EngineView, name: str, digest: str, offset: int,
-                changes: list[EngineChange]) -> None:
+    def _take_out(self, view: EngineView, name: str, digest: str) -> None:
         view.weight -= view.entries.pop(digest)
         self._release(digest, name)
-        changes.append(EngineChange(name, digest, None, offset, 0))
 
     def _hold(self, digest: str, name: str) -> None:
         held_by = self.holders.get(digest)
@@ -166,7 +184,7 @@ class EngineViews:
         self._dirty.add(DIGEST_MARK + name)
         if size is None:
             if view is not None and digest in view.entries:
-                self._remove(view, name, digest, 0, [])
+                self._take_out(view, name, digest)
             return
         digest = intern(digest)
         if view is None:
