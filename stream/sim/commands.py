@@ -13,7 +13,16 @@ import orjson
 
 from stream.core.cache import DEFAULT_CACHE_MB, MB_PER_ITEM, Capacity
 from stream.sim.fleet import DEFAULT_ENCODER_CACHE_SIZE, POLICIES, FleetSpec, PolicyResult, simulate
-from stream.sim.tune import DEFAULT_BYTES_PER_EMBEDDING, DEFAULT_PROCESSOR_CACHE_GB, LAYERS, MIN_REPEATS
+from stream.sim.tune import (
+    DEFAULT_BYTES_PER_EMBEDDING,
+    DEFAULT_PROCESSOR_CACHE_GB,
+    LAYERS,
+    MIN_REPEATS,
+    HitCosts,
+    Recommendation,
+    TuneReport,
+    TuneRow,
+)
 from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
 
 __all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation", "tune_document"]
@@ -431,10 +440,8 @@ def _tune(args: argparse.Namespace) -> None:
         raise SystemExit(f"tune: {report.refused}")
 
 
-def _hit_costs():  # type: ignore[no-untyped-def]
+def _hit_costs() -> HitCosts:
     """What a hit saves per layer: the simulated fleet's engine costs."""
-    from stream.sim.fleet import FleetSpec
-
     return FleetSpec().costs
 
 
@@ -445,20 +452,20 @@ def _flag(capacity: Capacity) -> str:
     return f"--cache-size-mb-per-server {capacity.per_endpoint * MB_PER_ITEM}"
 
 
-def _row_doc(row) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def _row_doc(row: TuneRow) -> dict[str, object]:
     return {"mode": row.capacity.mode, "capacity": row.capacity.per_endpoint, "placed": row.placed,
             "hits": row.hits, "hit_ratio": row.hit_ratio, "false_hits": row.false_hits,
             "false_hit_rate": row.false_hit_rate, "missed_hits": row.missed_hits, "layer": row.layer}
 
 
-def _choice_doc(choice) -> dict[str, object] | None:  # type: ignore[no-untyped-def]
+def _choice_doc(choice: Recommendation | None) -> dict[str, object] | None:
     if choice is None:
         return None
     return {"mode": choice.row.capacity.mode, "capacity": choice.row.capacity.per_endpoint,
             "flag": _flag(choice.row.capacity), "reason": choice.reason}
 
 
-def tune_document(report, skipped: dict[str, int]) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def tune_document(report: TuneReport, skipped: dict[str, int]) -> dict[str, object]:
     """``tune --format json``: the target layer's rows and recommendation at the top (as
     before layers), every layer under ``layers``."""
     facts = report.facts
@@ -489,7 +496,7 @@ def tune_document(report, skipped: dict[str, int]) -> dict[str, object]:  # type
     return doc
 
 
-def format_tune(report, skipped: dict[str, int]) -> str:  # type: ignore[no-untyped-def]
+def format_tune(report: TuneReport, skipped: dict[str, int]) -> str:
     """The terminal report: a table per replayed layer with its best capacity (or why
     none), why the others are not replayed, then the target layer and its recommendation
     (none when ``report.choice`` is None)."""
@@ -529,11 +536,11 @@ def format_tune(report, skipped: dict[str, int]) -> str:  # type: ignore[no-unty
     return "\n".join(lines)
 
 
-def _capacity(choice) -> str:  # type: ignore[no-untyped-def]
+def _capacity(choice: Recommendation) -> str:
     return f"{choice.row.capacity.mode} mode, {choice.row.capacity.per_endpoint:,} per endpoint"
 
 
-def _table(rows: Sequence, choice, mark: str) -> list[str]:  # type: ignore[no-untyped-def,type-arg]
+def _table(rows: Sequence[TuneRow], choice: Recommendation | None, mark: str) -> list[str]:
     truth = any(r.false_hits is not None for r in rows)
     head = f"{'mode':<6}{'capacity':>10}{'hit ratio':>11}" + (
         f"{'false-hit rate':>16}{'missed hits':>13}" if truth else "")
