@@ -302,3 +302,24 @@ def test_match_source_comes_from_the_flag_or_the_environment(monkeypatch):
     assert Settings().match_source == "engine"
     with pytest.raises(ValueError, match="match_source"):
         Settings(match_source="lru")
+
+
+def test_reports_need_a_write_token_as_placements_do(tmp_path):
+    from stream.auth import TokenFile
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("a-write-token\n")
+    api, publisher = make()
+    api.write_tokens = TokenFile(tokens)
+
+    async def run() -> list[int]:
+        async with TestClient(TestServer(api.application())) as client:
+            statuses = []
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer a-write-token"}):
+                response = await client.post("/v1/engine-events", data=orjson.dumps(CONTRACT_BODY),
+                                             headers=headers)
+                statuses.append(response.status)
+            return statuses
+
+    assert asyncio.run(run()) == [401, 401, 202]
+    assert len(publisher.events) == 1
