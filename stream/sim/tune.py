@@ -186,10 +186,11 @@ class LayerReplay:
 
 
 def replay_layer(events: Sequence[tuple[Position, Event]], truth: Truth) -> LayerReplay:
-    """One cache per endpoint fed every placement: the processor cache looks items up one
-    by one as vLLM's front end does; the encoder cache admits a request's items together
-    and drops its references at once. A deleted endpoint, or one left out of a sync,
-    starts empty (its pod is gone)."""
+    """One cache per endpoint fed every placement: the processor cache looks a request's
+    items up as vLLM's front end does (``_cached_apply_hf_processor``: all checked, the
+    hits touched, then the misses stored); the encoder cache admits a request's items
+    together and drops its references at once. A deleted endpoint, or one left out of a
+    sync, starts empty (its pod is gone)."""
     processors: dict[str, ProcessorCache] = {}
     encoders: dict[str, EncoderCache] = {}
     held = bytearray()
@@ -201,7 +202,16 @@ def replay_layer(events: Sequence[tuple[Position, Event]], truth: Truth) -> Laye
                 cache = processors.get(name)
                 if cache is None:
                     cache = processors[name] = ProcessorCache(truth.capacity)
-                flags = [cache.lookup(item.hash, truth.weight(item)) for item in event.items]
+                flags = [item.hash in cache for item in event.items]
+                # as vLLM's processor does: every item is checked first, the cached ones are
+                # touched before any is stored (a request never evicts its own hits), then
+                # the missing ones are stored, modality by modality
+                rank: dict[str, int] = {}
+                for item in event.items:
+                    rank.setdefault(item.modality, len(rank))
+                for _, item in sorted(zip(flags, event.items, strict=True),
+                                      key=lambda pair: (not pair[0], rank[pair[1].modality])):
+                    cache.lookup(item.hash, truth.weight(item))
             else:
                 encoder = encoders.get(name)
                 if encoder is None:

@@ -242,3 +242,13 @@ def test_a_chosen_layer_that_cannot_be_replayed_says_why_instead_of_recommending
     capsys.readouterr()
     given = _tune_json(capsys, sized, "--encoder-cache-size", "8192")
     assert given["layers"]["encoder"]["assumed"] is False
+
+
+def test_a_request_never_evicts_its_own_processor_hits():
+    # room for two images; B is the least recent when [A, B] comes: vLLM checks both, touches
+    # B, then stores A, evicting C, not B (stored one by one, A would have evicted B)
+    log = placement_log([("ns/a", [_image(d, 100)]) for d in ("B", "C")]
+                        + [("ns/a", [_image("A", 100), _image("B", 100)]), ("ns/a", [_image("B", 100)]),
+                           ("ns/a", [_image("C", 100)])])
+    replay = replay_layer(log, Truth("processor", 2 * 940_800))
+    assert replay.held == bytes([0, 0, 0, 1, 1, 0])
