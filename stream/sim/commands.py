@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from stream.core.cache import DEFAULT_CACHE_MB, MB_PER_ITEM, Capacity
-from stream.sim.fleet import DEFAULT_ENCODER_CACHE_SIZE, POLICIES, FleetSpec, PolicyResult, simulate
+from stream.sim.fleet import (
+    DEFAULT_ENCODER_CACHE_SIZE,
+    POLICIES,
+    FleetSpec,
+    PolicyResult,
+    prefix_capacity,
+    simulate,
+)
+from stream.sim.load import LOADS, format_load_table, load_table, measure_capacity
 from stream.sim.tune import (
     DEFAULT_BYTES_PER_EMBEDDING,
     DEFAULT_PROCESSOR_CACHE_GB,
@@ -25,7 +36,8 @@ from stream.sim.tune import (
 )
 from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
 
-__all__ = ["add_commands", "format_simulation", "format_tune", "run_simulation", "tune_document"]
+__all__ = ["SimulationRun", "add_commands", "format_simulation", "format_tune", "run_simulation",
+           "tune_document"]
 
 _ENV_HELP = "Kafka security from MMCACHE_KAFKA_* as for serve"
 
@@ -41,52 +53,113 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    fleet, costs = FleetSpec(), FleetSpec().costs
+    engine = fleet.engine
     sim = commands.add_parser(
-        "simulate", help="score the affinity signal against a simulated fleet's true encoder caches",
-        description="Trace-driven, deterministic simulation of model servers with vLLM-like "
-        "encoder caches behind gateway replicas; for each routing policy prints the true "
-        "encoder-cache hit ratio (by items and by embeddings), embeddings saved, load "
-        "imbalance (max/mean queue) and, for the index policies, precision and recall of "
-        "'predicted cached' against the true caches. Same seed, same output.",
+        "simulate", help="score the affinity signal against a simulated fleet of vLLM servers",
+        description="Deterministic simulation of vLLM servers (processor, encoder and prefix "
+        "caches, step-by-step scheduling) behind gateway replicas; for each routing policy "
+        "prints each cache layer's hit ratio, TTFT p50 and p90, load imbalance, and for the "
+        "index policies precision and recall of 'predicted cached' against the true encoder "
+        "caches. --load-table prints which policy wins on TTFT p90 from 20%% to 120%% of the "
+        "fleet's capacity. Same seed, same output.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sim.add_argument("--servers", type=int, default=16, help="model servers (P)")
+    sim.add_argument("--servers", type=int, default=fleet.servers, help="model servers (P)")
     sim.add_argument("--replicas", type=int, default=3, help="gateway replicas (G); per-replica keeps one "
-                     "index per replica, the shared index (index, index-size) is one for all")
-    sim.add_argument("--requests", type=int, default=100_000, help="requests to simulate")
+                     "index per replica, the other index policies one for all")
+    sim.add_argument("--requests", type=int, default=WorkloadSpec().requests, help="requests to simulate")
     sim.add_argument("--seed", type=int, default=1, help="seed of every random draw")
     sim.add_argument("--runs", type=int, default=1,
-                     help="runs with seeds --seed, --seed+1, ...; figures are then means, the table "
+                     help="runs with seeds --seed, --seed+1, ...; figures are then medians, the table "
                      "gives each with its spread (half the range over the runs)")
     sim.add_argument("--policies", default=",".join(POLICIES),
                      help=f"comma-separated policies, of: {', '.join(POLICIES)}")
-    sim.add_argument("--encoder-cache-size", type=int, default=DEFAULT_ENCODER_CACHE_SIZE,
+    sim.add_argument("--load", type=float, default=0.6,
+                     help="offered load as a share of the fleet's capacity (the request rate round-robin "
+                     "sustains when offered more than it can serve, measured per run)")
+    sim.add_argument("--rate", type=float, default=None,
+                     help="requests per second over the whole fleet, instead of --load")
+    sim.add_argument("--load-table", action="store_true",
+                     help="print which policy wins on TTFT p90 at each of --loads, on the "
+                     "tokenizer-free and the render path, instead of the policy table")
+    sim.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS),
+                     help="comma-separated loads (shares of capacity) of --load-table")
+    # the engine (vLLM's defaults, stream/sim/engine.py)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens,
+                     help="tokens a step computes at most (vLLM's OpenAI-server default on GPUs of 70 GiB "
+                     "and more)")
+    sim.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs,
+                     help="requests a step runs at most")
+    sim.add_argument("--encoder-cache-size", type=int, default=engine.encoder_cache_size,
                      help="each server's encoder cache in embeddings; vLLM's default encoder_cache_size "
                      "is max_num_batched_tokens, 8192 for its OpenAI server on H100-class GPUs")
     sim.add_argument("--encoder-budget", type=int, default=None,
-                     help="per-step encoder compute budget in embeddings; an item over it can never "
-                     "be scheduled (default: the encoder cache size)")
+                     help="per-step encoder compute budget in embeddings (default: the encoder cache size)")
+    sim.add_argument("--processor-cache-gb", type=float, default=engine.processor_cache_bytes / 2**30,
+                     help="each server's processor cache, GiB (vLLM's mm_processor_cache_gb)")
+    sim.add_argument("--kv-blocks", type=int, default=engine.kv_blocks,
+                     help="each server's KV cache in blocks of --block-size tokens (the prefix cache)")
+    sim.add_argument("--block-size", type=int, default=engine.block_size, help="tokens per KV block")
+    # costs
+    sim.add_argument("--preprocess-ms", type=float, default=costs.preprocess_ms_per_item,
+                     help="CPU milliseconds to preprocess one item on a processor-cache miss")
+    sim.add_argument("--encoder-ms-per-1k", type=float, default=costs.encoder_ms_per_1k_embeddings,
+                     help="GPU milliseconds per 1,000 embeddings encoded")
+    sim.add_argument("--prefill-ms-per-1k", type=float, default=costs.prefill_ms_per_1k_tokens,
+                     help="GPU milliseconds per 1,000 prompt tokens computed")
+    sim.add_argument("--decode-ms", type=float, default=costs.decode_ms_per_step,
+                     help="GPU milliseconds of a step's decoding")
+    sim.add_argument("--step-overhead-ms", type=float, default=costs.step_overhead_ms,
+                     help="milliseconds every step costs")
+    # the gateway
     sim.add_argument("--cache-size-mb-per-server", type=int, default=DEFAULT_CACHE_MB,
-                     help=f"the index policy's capacity as the Go plugin's cacheSizeInMBPerServer "
+                     help=f"the index and per-replica capacity as the Go plugin's cacheSizeInMBPerServer "
                      f"({MB_PER_ITEM} MiB per item)")
     sim.add_argument("--index-items", type=int, default=None,
                      help="the index and per-replica capacity in items, instead of "
                      "--cache-size-mb-per-server")
     sim.add_argument("--index-embeddings", type=int, default=None,
                      help="the index-size capacity in embeddings (default: --encoder-cache-size)")
-    sim.add_argument("--slots", type=int, default=16, help="requests a server runs at once")
-    sim.add_argument("--rate", type=float, default=6.0,
-                     help="arrivals per second per server (Poisson); with the defaults a "
-                     "least-loaded fleet is about 80%% busy")
-    sim.add_argument("--decode-s", type=float, default=2.0, help="mean decode time (exponential), seconds")
-    sim.add_argument("--encode-ms-per-1k", type=float, default=40.0,
-                     help="encoder time per 1,000 embeddings not found in the cache, milliseconds")
-    sim.add_argument("--prefill-ms-per-1k", type=float, default=20.0,
-                     help="prefill time per 1,000 embeddings, milliseconds (references are held "
-                     "for encode plus prefill, then dropped)")
-    sim.add_argument("--catalogue", type=int, default=10_000, help="distinct items")
-    sim.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of item popularity")
-    sim.add_argument("--min-items", type=int, default=1, help="fewest items per request")
-    sim.add_argument("--max-items", type=int, default=4, help="most items per request")
+    sim.add_argument("--bounded-embeddings", type=int, default=None,
+                     help="the index-bounded capacity in embeddings (default: what the prefix cache "
+                     "keeps: --kv-blocks x --block-size x the share of prompt tokens that are items)")
+    sim.add_argument("--scrape-ms", type=float, default=fleet.scrape_s * 1000,
+                     help="how often the gateway reads the servers' load (their metrics)")
+    sim.add_argument("--items-path", choices=("tokenizer-free", "render"), default=fleet.items_path,
+                     help="how the index policies get a request's items: from its body (mmcache's "
+                     "extraction) or from a render call (the token producer)")
+    sim.add_argument("--render-replicas", type=int, default=fleet.render_replicas,
+                     help="render sidecars on the render path")
+    sim.add_argument("--render-rate", type=float, default=fleet.render_rate,
+                     help="render calls per second one sidecar serves (the llm-d guide's knee: 9, 18 and "
+                     "70 QPS with 1, 2 and 8 replicas)")
+    sim.add_argument("--tie-break", choices=("first", "random"), default=fleet.tie_break,
+                     help="how index, index-size and per-replica pick among equal scores (first: the "
+                     "top of the list, as a sorting picker does)")
+    sim.add_argument("--bound-factor", type=float, default=fleet.bound_factor,
+                     help="index-bounded: a server over this times the mean load is not chosen for affinity")
+    sim.add_argument("--bound-slack", type=int, default=fleet.bound_slack,
+                     help="index-bounded: nor one over the least load plus this many requests, "
+                     "whichever bound is higher")
+    # the workload
+    spec = WorkloadSpec()
+    sim.add_argument("--catalogue", type=int, default=spec.catalogue, help="shared items")
+    sim.add_argument("--zipf", type=float, default=spec.zipf,
+                     help="Zipf exponent of shared items' popularity")
+    sim.add_argument("--min-items", type=int, default=spec.min_items,
+                     help="fewest items per single-shot request")
+    sim.add_argument("--max-items", type=int, default=spec.max_items,
+                     help="most items per single-shot request")
+    sim.add_argument("--fresh-share", type=float, default=spec.fresh_share,
+                     help="share of single-shot requests about items nobody sent before")
+    sim.add_argument("--item-first-share", type=float, default=spec.item_first_share,
+                     help="share of single-shot requests whose items come right after the system prompt")
+    sim.add_argument("--conversation-share", type=float, default=spec.conversation_share,
+                     help="share of sessions that are multi-turn conversations about an item of their own")
+    sim.add_argument("--think-s", type=float, default=spec.think_s, help="mean seconds between turns")
+    sim.add_argument("--system-tokens", type=int, default=spec.system_tokens,
+                     help="tokens of the system prompt every request shares")
+    sim.add_argument("--output-tokens", type=int, default=spec.output_tokens, help="mean tokens per answer")
     sim.add_argument("--trace", type=Path, default=None,
                      help="replay recorded placements (the JSON lines of 'mmcache export') instead of "
                      "the synthetic workload; their timestamps give the arrivals")
@@ -98,109 +171,192 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.set_defaults(run=_simulate)
 
 
-def run_simulation(args: argparse.Namespace, seed: int | None = None,
-                   placed: list[tuple[str, Request]] | None = None) -> dict[str, PolicyResult]:
-    """Every asked policy over the same requests, from parsed ``simulate`` arguments (with
-    ``seed`` instead of ``args.seed`` when given)."""
-    seed = args.seed if seed is None else seed
+def _check(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"simulate: unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)}")
-    for flag in ("servers", "replicas", "requests", "encoder_cache_size", "slots"):
+    for flag in ("servers", "replicas", "requests", "encoder_cache_size", "max_num_batched_tokens",
+                 "max_num_seqs", "kv_blocks", "block_size", "render_replicas", "runs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"simulate: --{flag.replace('_', '-')} must be at least 1")
+    if args.rate is not None and args.rate <= 0 or args.load <= 0 or args.render_rate <= 0:
+        raise SystemExit("simulate: --rate, --load and --render-rate must be positive")
+    return policies
+
+
+def _fleet(args: argparse.Namespace) -> FleetSpec:
+    default = FleetSpec()
+    engine = replace(
+        default.engine, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        encoder_cache_size=args.encoder_cache_size,
+        encoder_compute_budget=args.encoder_budget or args.encoder_cache_size,
+        processor_cache_bytes=round(args.processor_cache_gb * 2**30), kv_blocks=args.kv_blocks,
+        block_size=args.block_size)
+    costs = replace(
+        default.costs, preprocess_ms_per_item=args.preprocess_ms,
+        encoder_ms_per_1k_embeddings=args.encoder_ms_per_1k, prefill_ms_per_1k_tokens=args.prefill_ms_per_1k,
+        decode_ms_per_step=args.decode_ms, step_overhead_ms=args.step_overhead_ms)
+    return replace(
+        default, servers=args.servers, engine=engine, costs=costs,
+        index_items=args.index_items or Capacity.from_params(args.cache_size_mb_per_server).per_endpoint,
+        index_embeddings=args.index_embeddings or args.encoder_cache_size,
+        bounded_embeddings=args.bounded_embeddings or 0, scrape_s=args.scrape_ms / 1000,
+        items_path=args.items_path, render_replicas=args.render_replicas, render_rate=args.render_rate,
+        tie_break=args.tie_break, bound_factor=args.bound_factor, bound_slack=args.bound_slack)
+
+
+def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    return WorkloadSpec(
+        requests=args.requests, catalogue=args.catalogue, zipf=args.zipf, min_items=args.min_items,
+        max_items=args.max_items, fresh_share=args.fresh_share, item_first_share=args.item_first_share,
+        conversation_share=args.conversation_share, think_s=args.think_s, system_tokens=args.system_tokens,
+        output_tokens=args.output_tokens, replicas=args.replicas, seed=seed)
+
+
+@dataclass(frozen=True, slots=True)
+class SimulationRun:
+    """One seed's results: the offered rate, the capacity it was a share of (None when
+    --rate or --trace set the rate), and each policy's result."""
+
+    seed: int
+    rate: float
+    capacity: float | None
+    bounded_embeddings: int
+    results: dict[str, PolicyResult]
+
+
+def run_simulation(args: argparse.Namespace, seed: int | None = None,
+                   placed: list[tuple[str, Request]] | None = None) -> SimulationRun:
+    """Every asked policy over the same requests, from parsed ``simulate`` arguments (with
+    ``seed`` instead of ``args.seed`` when given)."""
+    seed = args.seed if seed is None else seed
+    policies = _check(args)
+    fleet, spec = _fleet(args), _workload(args, seed)
+    capacity = None
     if args.trace is not None:
         from stream.sim.eventlog import placements, read_jsonl
 
-        records = read_jsonl(args.trace)
-        requests = requests_from_trace(placements(records), args.replicas, args.rate * args.servers,
-                                       args.decode_s, seed)[: args.requests]
+        rate = args.rate or 40.0
+        requests = requests_from_trace(placements(read_jsonl(args.trace)), args.replicas, rate, spec,
+                                       seed)[: args.requests]
     else:
-        requests = generate(WorkloadSpec(
-            requests=args.requests, rate=args.rate * args.servers, catalogue=args.catalogue,
-            zipf=args.zipf, min_items=args.min_items, max_items=args.max_items,
-            decode_s=args.decode_s, replicas=args.replicas, seed=seed))
-    items = args.index_items or Capacity.from_params(args.cache_size_mb_per_server).per_endpoint
-    fleet = FleetSpec(
-        servers=args.servers, slots=args.slots, encoder_cache_size=args.encoder_cache_size,
-        budget=args.encoder_budget or 0, encode_s=args.encode_ms_per_1k / 1e6,
-        prefill_s=args.prefill_ms_per_1k / 1e6, index_items=items,
-        index_embeddings=args.index_embeddings or args.encoder_cache_size)
-    return {p: simulate(requests, fleet, p, seed=seed, replicas=args.replicas,
-                        placed=placed if n == 0 else None) for n, p in enumerate(policies)}
+        if args.rate is None:
+            capacity = measure_capacity(spec, fleet, seed)
+        rate = args.rate or args.load * (capacity or 0.0)
+        requests = generate(replace(spec, rate=rate))
+    results = {p: simulate(requests, fleet, p, seed=seed, replicas=args.replicas,
+                           placed=placed if n == 0 else None) for n, p in enumerate(policies)}
+    bounded = fleet.bounded_embeddings or prefix_capacity(fleet.engine, requests)
+    return SimulationRun(seed, rate, capacity, bounded, results)
 
 
-# (title, attribute, digits, extra width for big numbers)
-_COLUMNS = (("hit items", "hit_ratio", 3, 0), ("hit emb", "hit_ratio_embeddings", 3, 0),
-            ("emb saved", "embeddings_hit", 0, 4), ("imbalance", "imbalance", 3, 0),
-            ("latency s", "mean_latency_s", 2, 0), ("precision", "precision", 3, 0),
-            ("recall", "recall", 3, 0))
+# (title, figure of a result, digits)
+_COLUMNS: tuple[tuple[str, Callable[[PolicyResult], float | None], int], ...] = (
+    ("processor", lambda r: r.layers["processor"].hit_ratio, 3),
+    ("encoder", lambda r: r.layers["encoder"].hit_ratio, 3),
+    ("prefix", lambda r: r.layers["prefix"].hit_ratio, 3),
+    ("TTFT p50 s", lambda r: r.ttft_p50_s, 3), ("TTFT p90 s", lambda r: r.ttft_p90_s, 3),
+    ("imbalance", lambda r: r.imbalance, 2), ("cold top", lambda r: r.top_share_cold, 2),
+    ("precision", lambda r: r.precision, 3), ("recall", lambda r: r.recall, 3))
 
 
-def format_simulation(runs: Sequence[dict[str, PolicyResult]]) -> str:
-    """The terminal table: one row per policy, each figure the mean over the runs, with
-    its spread (half the range) when there are several."""
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def format_simulation(runs: Sequence[SimulationRun]) -> str:
+    """The terminal table: one row per policy, each figure the median over the runs, with
+    its spread (half the range) when there are several. Hit ratios are per layer
+    (processor and encoder: items; prefix: KV blocks); "cold top" is the busiest
+    server's share of the in-flight requests after the first 4 x servers routings."""
     several = len(runs) > 1
     width = 15 if several else 11
-    head = f"{'policy':<13}" + "".join(f"{title:>{width + extra * (1 + several)}}"
-                                       for title, _, _, extra in _COLUMNS)
+    head = f"{'policy':<14}" + "".join(f"{title:>{width}}" for title, _, _ in _COLUMNS)
     lines = [head, "-" * len(head)]
-    for name in runs[0]:
+    for name in runs[0].results:
         cells = []
-        for _, attribute, digits, extra in _COLUMNS:
-            cell = width + extra * (1 + several)
-            values = [getattr(run[name], attribute) for run in runs]
+        for _, figure, digits in _COLUMNS:
+            values = [figure(run.results[name]) for run in runs]
             if values[0] is None:
-                cells.append(f"{'-':>{cell}}")
+                cells.append(f"{'-':>{width}}")
                 continue
-            mean = sum(values) / len(values)
-            text = f"{mean:,.{digits}f}"
+            numbers = [v for v in values if v is not None]
+            text = f"{_median(numbers):,.{digits}f}"
             if several:
-                text += f" ±{(max(values) - min(values)) / 2:,.{digits}f}"
-            cells.append(f"{text:>{cell}}")
-        lines.append(f"{name:<13}" + "".join(cells))
-    refused = sum(r.refused for run in runs for r in run.values())
-    if refused:
-        lines.append(f"({refused} requests refused in all: an item over the per-step encoder budget)")
+                text += f" ±{(max(numbers) - min(numbers)) / 2:,.{digits}f}"
+            cells.append(f"{text:>{width}}")
+        lines.append(f"{name:<14}" + "".join(cells))
     return "\n".join(lines)
 
 
-def _mean_summary(runs: Sequence[dict[str, PolicyResult]]) -> dict[str, dict[str, float | int | None]]:
-    """The JSON figures, means over the runs (null where a figure does not apply)."""
-    out: dict[str, dict[str, float | int | None]] = {}
-    for name in runs[0]:
-        summaries = [run[name].summary() for run in runs]
-        figures: dict[str, float | int | None] = {}
-        for key, first in summaries[0].items():
-            if first is None:
-                figures[key] = None
-            else:
-                mean = sum(s[key] for s in summaries) / len(summaries)  # type: ignore[misc]
-                figures[key] = round(mean) if isinstance(first, int) else mean
-        out[name] = figures
-    return out
+def _median_summary(runs: Sequence[SimulationRun]) -> dict[str, object]:
+    """The JSON figures, medians over the runs (null where a figure does not apply)."""
+    def merge(docs: list[Any]) -> Any:
+        first = docs[0]
+        if isinstance(first, dict):
+            return {key: merge([doc[key] for doc in docs]) for key in first}
+        if first is None:
+            return None
+        value = _median(docs)
+        return round(value) if isinstance(first, int) else value
+
+    return {name: merge([run.results[name].summary() for run in runs]) for name in runs[0].results}
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    if args.runs < 1:
-        raise SystemExit("simulate: --runs must be at least 1")
+    _check(args)
+    if args.load_table:
+        _print_load_table(args)
+        return
     started = time.monotonic()
     placed: list[tuple[str, Request]] | None = [] if args.write_trace is not None else None
     runs = [run_simulation(args, args.seed + n, placed if n == 0 else None) for n in range(args.runs)]
     if placed is not None:
         _write_trace(args.write_trace, placed)
+    rates = [run.rate for run in runs]
+    capacities = [run.capacity for run in runs if run.capacity is not None]
     if args.format == "json":
-        doc = {"policies": _mean_summary(runs)}
+        doc = {"policies": _median_summary(runs),
+               "rate_rps": _median(rates), "capacity_rps": _median(capacities) if capacities else None}
         sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
-    requests = next(iter(runs[0].values())).requests if runs[0] else 0
+    first = next(iter(runs[0].results.values()), None)
+    requests = first.requests if first is not None else 0
     seeds = f"seed {args.seed}" if args.runs == 1 else f"seeds {args.seed}..{args.seed + args.runs - 1}"
-    print(f"{requests:,} requests, {args.servers} servers (encoder cache {args.encoder_cache_size:,} "
-          f"embeddings), {args.replicas} gateway replicas, {seeds}; index capacity "
-          f"{args.index_items or Capacity.from_params(args.cache_size_mb_per_server).per_endpoint:,} items, "
-          f"index-size {args.index_embeddings or args.encoder_cache_size:,} embeddings")
+    load = (f"{_median(rates):.1f} requests/s = {args.load:.0%} of capacity {_median(capacities):.1f}"
+            if capacities else f"{_median(rates):.1f} requests/s")
+    fleet = _fleet(args)
+    print(f"{requests:,} requests at {load}, {args.servers} servers, {args.replicas} gateway replicas, "
+          f"{seeds}; items path {args.items_path}, ties {args.tie_break}; index capacity "
+          f"{fleet.index_items:,} items, index-size {fleet.index_embeddings:,} embeddings, index-bounded "
+          f"{runs[0].bounded_embeddings:,} embeddings")
     print(format_simulation(runs))
+    print(f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
+
+
+def _print_load_table(args: argparse.Namespace) -> None:
+    try:
+        loads = [float(part) for part in args.loads.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"simulate: --loads takes comma-separated numbers, got {args.loads!r}") from None
+    if not loads or min(loads) <= 0:
+        raise SystemExit("simulate: --loads must be positive")
+    if args.trace is not None:
+        raise SystemExit("simulate: --load-table draws its own workloads; leave out --trace")
+    started = time.monotonic()
+    fleet = _fleet(args)
+    specs = [_workload(args, args.seed + n) for n in range(args.runs)]
+    rows = load_table(specs, fleet, loads, replicas=args.replicas)
+    if args.format == "json":
+        doc = {"rows": [row.summary() for row in rows]}
+        sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    seeds = f"seed {args.seed}" if args.runs == 1 else f"seeds {args.seed}..{args.seed + args.runs - 1}"
+    print(f"TTFT p90 (s) by offered load, {args.requests:,} requests, {args.servers} servers, {seeds} "
+          f"(medians); render path: {fleet.render_replicas} sidecars of {fleet.render_rate:g} calls/s; "
+          f"naive: ties {fleet.tie_break}, scraped load; fixed: index-bounded")
+    print(format_load_table(rows))
     print(f"({time.monotonic() - started:.1f} s)", file=sys.stderr)
 
 
@@ -212,6 +368,8 @@ def _write_trace(path: Path, placed: Sequence[tuple[str, Request]], partitions: 
     offsets = [0] * partitions
     records = []
     for endpoint, request in placed:
+        if not request.items:
+            continue
         partition = key_partition(endpoint.encode(), partitions)
         event = ItemsPlaced(endpoint=endpoint, items=list(request.items), request_id=f"sim-{request.id}")
         stamp = round(request.arrival * 1000)
@@ -219,10 +377,6 @@ def _write_trace(path: Path, placed: Sequence[tuple[str, Request]], partitions: 
         offsets[partition] += 1
     with path.open("wb") as out:
         write_jsonl(records, out)
-
-
-def _opt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 # -- tune ----------------------------------------------------------------------------------
