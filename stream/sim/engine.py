@@ -369,8 +369,9 @@ class Scheduler:
                         tuple(r.request_id for r in preempted))
 
     def update(self, plan: StepPlan) -> tuple[list[str], list[str]]:
-        """After the step ran: frees the inputs now inside the computed tokens, samples a
-        token for each request that computed all of its; returns the requests that got
+        """After the step ran, request by request in the step's order: frees the inputs
+        now inside its computed tokens, samples a token if it computed all of its, and
+        frees a request that has all its output tokens; returns the requests that got
         their first token and those that finished."""
         first: list[str] = []
         finished: list[str] = []
@@ -388,16 +389,16 @@ class Scheduler:
                 first.append(request_id)
             if request.outputs >= request.output_tokens:
                 finished.append(request_id)
-                continue
-            _grow_output(request)
-            request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
-        if finished:
-            done = set(finished)
-            self.running = [r for r in self.running if r.request_id not in done]
-            for request_id in finished:
                 encoder.free_request(request_id)
                 self.prefix.free(request_id)
                 del self.requests[request_id]
+                continue
+            _grow_output(request)
+            if request.num_tokens % block_size == 0:
+                request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
+        if finished:
+            done = set(finished)
+            self.running = [r for r in self.running if r.request_id not in done]
         return first, finished
 
     def _allocate_inputs(self, request: _Request, to_encode: list[int], repeats: list[int],

@@ -130,3 +130,58 @@ def test_two_requests_share_an_entry_it_is_freeable_after_both_release():
 def test_the_cache_needs_a_positive_size(size):
     with pytest.raises(ValueError):
         EncoderCache(size)
+
+
+# -- the item-level operations the engine's scheduler makes, as vLLM's makes them ------
+
+
+def test_can_allocate_counts_the_budget_left_and_what_the_request_already_scheduled():
+    cache = EncoderCache(10)
+    assert not cache.can_allocate("r", 0, 6, compute_budget=5)  # over the step's budget
+    assert cache.can_allocate("r", 0, 6, compute_budget=10)
+    cache.allocate("r", 0, "a", 6)
+    # 4 free, but the request already has 3 scheduled beside this input of 2
+    assert not cache.can_allocate("r", 1, 2, compute_budget=10, scheduled=3)
+    assert cache.can_allocate("r", 1, 2, compute_budget=10, scheduled=2)
+
+
+def test_can_allocate_evicts_freeable_entries_only_when_they_make_it_fit():
+    cache = EncoderCache(10)
+    cache.allocate("r1", 0, "a", 4)
+    cache.allocate("r2", 0, "b", 4)
+    cache.free_request("r1")  # a freeable; 2 free + 4 freeable
+    assert not cache.can_allocate("r3", 0, 7, compute_budget=10)
+    assert "a" in cache and cache.take_freed() == []
+    assert cache.can_allocate("r3", 0, 6, compute_budget=10)
+    assert "a" not in cache and cache.take_freed() == ["a"]
+    assert cache.take_freed() == []  # reported once
+
+
+def test_an_entry_evicted_and_stored_again_in_the_same_step_is_not_reported():
+    cache = EncoderCache(10)
+    cache.allocate("r1", 0, "a", 10)
+    cache.free_request("r1")
+    assert cache.can_allocate("r2", 0, 10, compute_budget=10)  # evicts a
+    cache.allocate("r2", 0, "a", 10)  # a is stored again before the step's report
+    assert cache.take_freed() == []
+
+
+def test_lookup_pins_a_freeable_entry_again():
+    cache = EncoderCache(10)
+    cache.allocate("r1", 0, "a", 4)
+    cache.free_input("r1", 0)
+    assert cache.freeable == {"a": 4}
+    assert cache.lookup("r2", 3, "a") and cache.freeable == {} and cache.refs["a"] == {"r2"}
+    assert not cache.lookup("r2", 4, "b")
+    assert cache.cached_inputs("r2") == (3,)
+
+
+def test_a_request_holds_an_item_it_repeats_until_its_last_input_of_it_is_freed():
+    cache = EncoderCache(10)
+    cache.allocate("r", 0, "a", 4)
+    assert cache.lookup("r", 2, "a")  # a later turn shows a again
+    cache.free_input("r", 0)
+    assert cache.refs["a"] == {"r"} and cache.freeable == {}
+    cache.free_input("r", 2)
+    assert cache.refs["a"] == set() and cache.freeable == {"a": 4}
+    assert cache.cached_inputs("r") == ()
