@@ -277,6 +277,7 @@ class Scheduler:
     def add(self, request: PromptRequest) -> None:
         """A request enters the waiting queue (its inputs already preprocessed)."""
         state = _as_request(request, self.config)
+        state.hashes = chain_hashes(state.runs, self.config.block_size, state.prompt_tokens)
         self.requests[state.request_id] = state
         self.waiting.append(state)
 
@@ -435,7 +436,8 @@ def _decoding(request: _Request, computed: int, new: int) -> bool:
 
 
 def _as_request(request: PromptRequest, config: EngineConfig) -> _Request:
-    """The scheduler's view of a request; refuses what vLLM could never run."""
+    """The scheduler's view of a request (its block hashes still to compute); refuses
+    what vLLM could never run."""
     items: list[_Item] = []
     runs: list[Run] = []
     offset = 0
@@ -466,9 +468,7 @@ def _as_request(request: PromptRequest, config: EngineConfig) -> _Request:
                          f"{blocks} KV blocks, more than the {config.kv_blocks - 1} there are "
                          "(vLLM refuses a max_model_len the KV cache cannot hold)")
     runs.append(Run(f"\0out:{request.request_id}", 0))  # its generated tokens, unlike any other's
-    state = _Request(request.request_id, tuple(items), runs, offset, request.output_tokens)
-    state.hashes = chain_hashes(runs, config.block_size, offset)
-    return state
+    return _Request(request.request_id, tuple(items), runs, offset, request.output_tokens)
 
 
 def _grow_output(request: _Request) -> None:
