@@ -22,9 +22,12 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stream.core.cache import Capacity
 from stream.core.capacity import capacity_for_encoder_cache
+from stream.core.events import ItemsPlaced
 from stream.core.items import Item
 from stream.sim.commands import add_commands
 from stream.sim.eventlog import Recorded, write_jsonl
@@ -36,9 +39,10 @@ from stream.sim.tune import (
     capacity_for_layer,
     replay_layer,
     survey,
+    sweep,
     target_layer,
 )
-from tests.unit.eventlogs import placement_log
+from tests.unit.eventlogs import EventLogs, Scenario, placement_log
 
 EMBEDDINGS = 1024
 PROCESSOR_OWN = 4 * GIB // 9408  # 456,522 embeddings: a 4 GiB processor cache's worth of images
@@ -252,3 +256,27 @@ def test_a_request_never_evicts_its_own_processor_hits():
                            ("ns/a", [_image("C", 100)])])
     replay = replay_layer(log, Truth("processor", 2 * 940_800))
     assert replay.held == bytes([0, 0, 0, 1, 1, 0])
+
+
+LOGS = EventLogs(["ns/a", "ns/b", "ns/c"], [f"h{n}" for n in range(6)])
+
+
+@given(LOGS.scenarios(max_ops=60), st.integers(1, 12))
+@settings(max_examples=150, deadline=None)
+def test_the_index_the_size_of_a_processor_cache_predicts_it_exactly(scenario: Scenario, embeddings: int):
+    """Any log of one-item placements (deletes and syncs among them), each hash of one
+    size and one weight per embedding: size mode at the cache's bytes over that weight
+    agrees with the processor truth on every placement. So each layer's own capacity is
+    what predicts it, and where tune finds wrong answers there, they are the layer's own
+    rules (a request's items, several bytes per embedding), not the replay's."""
+    log = []
+    for position, event in scenario.log:
+        if isinstance(event, ItemsPlaced):
+            digest = event.items[0].hash
+            event = ItemsPlaced(endpoint=event.endpoint, items=[Item(digest, 1 + int(digest[1:]) % 4, "video")])
+        log.append((position, event))
+    truth = Truth("processor", embeddings * 9408, ItemModel(bytes_per_embedding={"image": 9408}))
+    replay = replay_layer(log, truth)
+    (row,) = sweep(log, [Capacity("size", embeddings)], [replay])
+    assert (row.false_hits, row.missed_hits) == (0, 0)
+    assert row.hits == replay.hits
