@@ -117,6 +117,16 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "encoder_cache_size",
+                     "encoder_compute_budget", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.kv_blocks < 2:
+            raise ValueError(f"kv_blocks must be at least 2 (one is vLLM's null block), not {self.kv_blocks}")
+        if self.processor_cache_bytes < 0:
+            raise ValueError("processor_cache_bytes must be 0 (no cache) or more")
+
 
 @dataclass(frozen=True, slots=True)
 class Costs:

@@ -225,3 +225,11 @@ def test_the_prefix_cache_hits_leading_blocks_and_evicts_the_least_recently_free
     prefix.free("r2")
     assert prefix.allocate("r3", 48, 48, a, hit)
     assert prefix.blocks["r3"] == [1, 2, 3] and prefix.pool.evicted[-1] == b[3]
+
+
+@pytest.mark.parametrize("setting", [{"max_num_batched_tokens": 0}, {"max_num_seqs": 0},
+                                     {"encoder_cache_size": 0}, {"kv_blocks": 1},
+                                     {"processor_cache_bytes": -1}])
+def test_a_config_that_could_never_serve_is_refused(setting):
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        EngineConfig(**setting)
