@@ -263,20 +263,23 @@ LOGS = EventLogs(["ns/a", "ns/b", "ns/c"], [f"h{n}" for n in range(6)])
 
 @given(LOGS.scenarios(max_ops=60), st.integers(1, 12))
 @settings(max_examples=150, deadline=None)
-def test_the_index_the_size_of_a_processor_cache_predicts_it_exactly(scenario: Scenario, embeddings: int):
+def test_the_index_the_size_of_a_layer_predicts_it_exactly(scenario: Scenario, embeddings: int):
     """Any log of one-item placements (deletes and syncs among them), each hash of one
-    size and one weight per embedding: size mode at the cache's bytes over that weight
-    agrees with the processor truth on every placement. So each layer's own capacity is
-    what predicts it, and where tune finds wrong answers there, they are the layer's own
-    rules (a request's items, several bytes per embedding), not the replay's."""
+    size and one weight per embedding: size mode at the processor cache's bytes over that
+    weight, and at the encoder cache's size, agrees with that layer's truth on every
+    placement. So each layer's own capacity is what predicts it, and where tune finds
+    wrong answers there, they come from the layer's own rules (a request's items, several
+    bytes per embedding), not from the replay."""
     log = []
     for position, event in scenario.log:
         if isinstance(event, ItemsPlaced):
             digest = event.items[0].hash
             event = ItemsPlaced(endpoint=event.endpoint, items=[Item(digest, 1 + int(digest[1:]) % 4, "video")])
         log.append((position, event))
-    truth = Truth("processor", embeddings * 9408, ItemModel(bytes_per_embedding={"image": 9408}))
-    replay = replay_layer(log, truth)
-    (row,) = sweep(log, [Capacity("size", embeddings)], [replay])
-    assert (row.false_hits, row.missed_hits) == (0, 0)
-    assert row.hits == replay.hits
+    truths = [Truth("processor", embeddings * 9408, ItemModel(bytes_per_embedding={"image": 9408})),
+              Truth("encoder", embeddings)]
+    replays = [replay_layer(log, truth) for truth in truths]
+    rows = sweep(log, [Capacity("size", embeddings)], replays)
+    assert [(row.layer, row.false_hits, row.missed_hits) for row in rows] == [
+        ("processor", 0, 0), ("encoder", 0, 0)]
+    assert [row.hits for row in rows] == [replay.hits for replay in replays]
