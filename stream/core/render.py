@@ -59,8 +59,13 @@ def match_entries(items: list[Item], requested: list[str], found: Mapping[str, l
             indexes = sorted(map(requested.index, found))
         else:  # one pass, not one scan of ``requested`` per holder (4,096 x 4,096: 260 ms)
             indexes = [index for index, name in enumerate(requested) if name in found]
-        yield from _entries(requested, found, total, "engine" if engine else "estimate", indexes)
-        return
+        return _entries(requested, found, total, "engine" if engine else "estimate", indexes)
+    return _mixed(requested, found, total, engine)
+
+
+def _mixed(requested: list[str], found: Mapping[str, list[Item]], total: int,
+           engine: Set[str]) -> Iterator[bytes]:
+    """``match_entries`` of endpoints of both sources: run by run of one source."""
     start, end = 0, len(requested)
     while start < end:
         from_engine = requested[start] in engine
