@@ -343,7 +343,9 @@ def load_partition_in_slices(state: CacheState, partition: int,
     iterates in key order, so an endpoint's keys come together and a step holds at most
     the slice plus one endpoint's capacity), then the endpoints the records do not have
     are dropped; no step removes an entry the records hold. Each LRU is ordered by the
-    stored rank, whatever order the records came in. A RocksDB iterator reads one
+    stored rank, whatever order the records came in. Engine views go the same way, after
+    the LRUs: each swapped whole (``EngineViews.replace``), then those the records lack
+    dropped. A RocksDB iterator reads one
     snapshot, so writes to the file between steps do not change what is loaded; the
     caller must not apply events of this partition to ``state`` until the last step.
     """

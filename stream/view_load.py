@@ -1,6 +1,6 @@
-"""The one path by which a partition's durable entries enter the live view: a reload of
-an owned partition (from the table's RocksDB file) and a followed partition's re-read
-(from the changelog) both go through ``load_partition_into_view``.
+"""The one path by which a partition's durable entries (LRUs and engine views) enter the
+live view: a reload of an owned partition (from the table's RocksDB file) and a followed
+partition's re-read (from the changelog) both go through ``load_partition_into_view``.
 
 It swaps each endpoint's LRU whole and drops what the records lack only at the end
 (``stream.store.load_partition_in_slices``), so the view keeps answering from what it
