@@ -52,7 +52,7 @@ def test_place_then_match_through_extracted_body(service: Service) -> None:
     assert first["matched_items"] == [_item(expected_hash)]
     assert (first["matched_weight"], first["total_weight"]) == (1, 2)
     assert second == {"endpoint": pod_b, "matched_items": [], "matched_weight": 0,
-                      "total_weight": 2, "score": 0.0}
+                      "total_weight": 2, "score": 0.0, "source": "estimate"}
 
 
 def test_placement_to_several_endpoints_is_one_event_each(service: Service) -> None:
