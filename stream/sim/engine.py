@@ -32,6 +32,10 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
 can be scheduled), and a step's duration from ``Costs``. Times are seconds; costs are
 milliseconds, as named.
 
+With ``async_scheduling`` (vLLM's default) two steps are queued: the next is planned
+while the current one runs, before its results are in (``Engine``); tokens in flight
+are placeholders, as in vLLM's ``AsyncScheduler``.
+
 What is left out on purpose: speculative decoding, KV connectors, LoRA, priorities,
 ``long_prefill_token_threshold`` (0 by default), ``max_model_len``, the KV watermark (0
 by default), partial-block prefix hits, and an item's placeholder tokens that carry no
@@ -106,6 +110,10 @@ class EngineConfig:
       is what Qwen2.5-VL-7B leaves on one 80 GB GPU (57,344 bytes of KV per token).
     - ``block_size`` 16 and ``enable_prefix_caching`` True: ``CacheConfig``,
       ``vllm/config/cache.py``.
+    - ``async_scheduling`` True: ``VllmConfig`` turns it on where nothing forbids it
+      (``vllm/config/vllm.py``; ``SchedulerConfig.async_scheduling`` is None, "auto", in
+      ``vllm/config/scheduler.py``), and the engine core then keeps a batch queue of 2
+      (``step_with_batch_queue``, ``vllm/v1/engine/core.py``).
     """
 
     max_num_batched_tokens: int = 8192
@@ -116,6 +124,7 @@ class EngineConfig:
     kv_blocks: int = 56_000
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "encoder_cache_size",
@@ -204,6 +213,8 @@ class _Request:
     output_tokens: int
     outputs: int = 0
     computed: int = 0
+    placeholders: int = 0  # tokens of steps in flight not known yet (async scheduling)
+    preemptions: int = 0
     hashes: list[int] = field(default_factory=list)
     resolved: set[int] = field(default_factory=set)  # inputs counted as encoder lookups
 
@@ -255,8 +266,9 @@ def schedule_encoder_inputs(cache: EncoderCacheOps, request: _Request, computed:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What one step runs: tokens per request, the inputs encoded, the work by kind,
-    and the hashes the encoder cache evicted while scheduling it."""
+    """What one step runs: tokens per request, the inputs encoded, the work by kind, the
+    hashes the encoder cache evicted while scheduling it, the requests preempted, and
+    those that sample a token in it (with how often each had been preempted then)."""
 
     tokens: dict[str, int]
     encoded: dict[str, list[int]]
@@ -265,6 +277,7 @@ class StepPlan:
     embeddings: int
     freed: list[str]
     preempted: tuple[str, ...]
+    samples: tuple[tuple[str, int], ...] = ()
 
 
 class Scheduler:
@@ -304,7 +317,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            new = min(request.num_tokens - request.computed, token_budget)
+            if (request.placeholders > 0 and request.computed + 2 - request.placeholders
+                    >= request.prompt_tokens + request.output_tokens):
+                index += 1  # its last token is in flight: no extra step
+                continue
+            new = min(request.num_tokens + request.placeholders - request.computed, token_budget)
             to_encode, new, budget_left, repeats, hits = schedule_encoder_inputs(
                 encoder, request, request.computed, new, compute_budget)
             if new == 0:
@@ -374,28 +391,43 @@ class Scheduler:
                     prefill += new
             self.waiting.extendleft(reversed(skipped))
 
+        samples = []
         for request_id, new in tokens.items():
-            self.requests[request_id].computed += new
+            request = self.requests[request_id]
+            request.computed += new
+            if request.computed >= request.num_tokens + request.placeholders:  # not a prefill chunk
+                samples.append((request_id, request.preemptions))
+                if config.async_scheduling:
+                    request.placeholders += 1
         return StepPlan(tokens, encoded, prefill, decode, embeddings, encoder.take_freed(),
-                        tuple(r.request_id for r in preempted))
+                        tuple(r.request_id for r in preempted), tuple(samples))
 
     def update(self, plan: StepPlan) -> tuple[list[str], list[str]]:
         """After the step ran, request by request in the step's order: frees the inputs
-        now inside its computed tokens, samples a token if it computed all of its, and
-        frees a request that has all its output tokens; returns the requests that got
-        their first token and those that finished."""
+        now inside its computed tokens (less those in flight), appends the token it
+        sampled, if any, and frees a request that has all its output tokens; returns the
+        requests that got their first token and those that finished.
+
+        A request preempted since the step was scheduled still gets the step's token
+        (vLLM delivers such stale output) but its reset counters are left alone."""
         first: list[str] = []
         finished: list[str] = []
         encoder, block_size = self.encoder, self.config.block_size
+        sampled = dict(plan.samples)
         for request_id in plan.tokens:
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished meanwhile
+            stale = sampled.get(request_id, request.preemptions) != request.preemptions
             for input_id in encoder.cached_inputs(request_id):
                 item = request.items[input_id]
-                if item.offset + item.tokens <= request.computed:
+                if item.offset + item.tokens <= request.computed - request.placeholders:
                     encoder.free_input(request_id, input_id)
-            if request.computed < request.num_tokens:
+            if request_id not in sampled:
                 continue  # a prefill chunk: no token sampled
             request.outputs += 1
+            if request.placeholders > 0 and not stale:
+                request.placeholders -= 1
             if request.outputs == 1:
                 first.append(request_id)
             if request.outputs >= request.output_tokens:
@@ -410,6 +442,8 @@ class Scheduler:
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r.request_id not in done]
+            if any(r.request_id in done for r in self.waiting):
+                self.waiting = deque(r for r in self.waiting if r.request_id not in done)
         return first, finished
 
     def _allocate_inputs(self, request: _Request, to_encode: list[int], repeats: list[int],
@@ -436,13 +470,16 @@ class Scheduler:
         self.prefix.free(request.request_id)
         self.encoder.free_request(request.request_id)
         request.computed = 0
+        request.placeholders = 0
+        request.preemptions += 1
         request.resolved.clear()
         self.waiting.appendleft(request)
 
 
 def _decoding(request: _Request, computed: int, new: int) -> bool:
-    """Whether a chunk is a decode step: the one token after a sampled one."""
-    return request.outputs > 0 and new == 1 and computed == request.num_tokens - 1
+    """Whether a chunk is a decode step: the one token after a sampled (or in-flight) one."""
+    ahead = request.outputs + request.placeholders
+    return ahead > 0 and new == 1 and computed + 1 == request.num_tokens + request.placeholders
 
 
 def _as_request(request: PromptRequest, config: EngineConfig) -> _Request:
@@ -488,23 +525,36 @@ def _grow_output(request: _Request) -> None:
 
 class Engine:
     """One model server in simulated time: the processor cache at arrival, then the
-    scheduler's steps, each taking the time ``Costs`` gives its work."""
+    scheduler's steps, each taking the time ``Costs`` gives its work.
 
-    def __init__(self, config: EngineConfig, costs: Costs) -> None:
+    The GPU runs steps one after another. With ``async_scheduling`` (vLLM's default) the
+    engine keeps two steps queued, as vLLM's batch queue does: the next step is scheduled
+    while the current one runs, so it sees the results of the step before the current
+    one only (a finished request's references and blocks are freed one step later).
+    Without it each step is scheduled when the previous one has ended.
+
+    ``encoder`` and ``prefix`` replace the server's own caches (the differential tests
+    put vLLM's behind them).
+    """
+
+    def __init__(self, config: EngineConfig, costs: Costs, encoder: EncoderCacheOps | None = None,
+                 prefix: PrefixCache | None = None) -> None:
         self.config = config
         self.costs = costs
-        self.encoder_cache = EncoderCache(config.encoder_cache_size, config.encoder_compute_budget)
-        self.scheduler = Scheduler(config, self.encoder_cache)
+        self.encoder_cache: EncoderCacheOps = encoder if encoder is not None else EncoderCache(
+            config.encoder_cache_size, config.encoder_compute_budget)
+        self.scheduler = Scheduler(config, self.encoder_cache, prefix)
         self.processor = ProcessorCache(config.processor_cache_bytes)
         self.processor_counts = LayerCounts()
         self.now = 0.0
-        self.step_end: float | None = None
-        self.plan: StepPlan | None = None
         self.finished: list[tuple[str, float]] = []  # (request_id, finish time), appended
+        self.steps = 0
+        self.preemptions = 0
+        self._queued: deque[tuple[StepPlan, float]] = deque()  # steps on the GPU, with their ends
+        self._depth = 2 if config.async_scheduling else 1
         self._lane_free = 0.0
         self._preparing: list[tuple[float, int, PromptRequest]] = []
         self._arrivals = 0
-        self._first_token_of: dict[str, float] = {}
 
     def submit(self, request: PromptRequest, now: float) -> None:
         """A request arrives: its items are looked up in the processor cache; the misses
@@ -527,8 +577,8 @@ class Engine:
     def next_event_time(self) -> float | None:
         """When the engine next changes: the running step ends, or (idle) the next
         request is ready to be scheduled; None when there is nothing to do."""
-        if self.step_end is not None:
-            return self.step_end
+        if self._queued:
+            return self._queued[0][1]
         if self._preparing:
             return max(self._preparing[0][0], self.now)
         return None
@@ -542,13 +592,13 @@ class Engine:
             if at is None or at > until:
                 break
             self.now = at
-            if self.step_end is not None and self.plan is not None:
-                first, finished = self.scheduler.update(self.plan)
+            if self._queued and self._queued[0][1] <= at:
+                plan, _ = self._queued.popleft()
+                first, finished = self.scheduler.update(plan)
                 first_tokens.extend((request_id, at) for request_id in first)
                 self.finished.extend((request_id, at) for request_id in finished)
-                self.step_end = self.plan = None
             self._admit_ready()
-            self._start_step()
+            self._fill()
         return first_tokens
 
     @property
@@ -565,21 +615,25 @@ class Engine:
 
     def holds(self, item_hash: str) -> bool:
         """Whether the encoder cache holds the item now (pinned or freeable)."""
-        return item_hash in self.encoder_cache
+        return self.encoder_cache.resident(item_hash) is not None
 
     def _admit_ready(self) -> None:
         while self._preparing and self._preparing[0][0] <= self.now:
             _, _, request = heapq.heappop(self._preparing)
             self.scheduler.add(request)
 
-    def _start_step(self) -> None:
-        plan = self.scheduler.schedule()
-        if not plan.tokens:
-            return  # nothing can run: idle until the next arrival
+    def _fill(self) -> None:
+        """Schedule steps until the queue is full or nothing can run."""
         costs = self.costs
-        ms = (costs.step_overhead_ms
-              + costs.encoder_ms_per_1k_embeddings * plan.embeddings / 1000
-              + costs.prefill_ms_per_1k_tokens * plan.prefill_tokens / 1000
-              + (costs.decode_ms_per_step if plan.decode_tokens else 0.0))
-        self.plan = plan
-        self.step_end = self.now + ms / 1000
+        while len(self._queued) < self._depth:
+            plan = self.scheduler.schedule()
+            if not plan.tokens:
+                return  # nothing can run: idle until a step ends or a request is ready
+            ms = (costs.step_overhead_ms
+                  + costs.encoder_ms_per_1k_embeddings * plan.embeddings / 1000
+                  + costs.prefill_ms_per_1k_tokens * plan.prefill_tokens / 1000
+                  + (costs.decode_ms_per_step if plan.decode_tokens else 0.0))
+            start = self._queued[-1][1] if self._queued else self.now
+            self._queued.append((plan, start + ms / 1000))
+            self.steps += 1
+            self.preemptions += len(plan.preempted)

@@ -233,3 +233,21 @@ def test_the_prefix_cache_hits_leading_blocks_and_evicts_the_least_recently_free
 def test_a_config_that_could_never_serve_is_refused(setting):
     with pytest.raises(ValueError, match=next(iter(setting))):
         EngineConfig(**setting)
+
+
+@pytest.mark.parametrize(("async_scheduling", "b_first_ms"), [(False, 2.11 + 7.11), (True, 2.11 + 6 + 7.11)])
+def test_with_async_scheduling_the_next_step_is_planned_before_the_last_one_is_done(
+        async_scheduling, b_first_ms):
+    costs = Costs(preprocess_ms_per_item=0, encoder_ms_per_1k_embeddings=10,
+                  prefill_ms_per_1k_tokens=1, decode_ms_per_step=5, step_overhead_ms=1)
+    engine = Engine(EngineConfig(encoder_cache_size=100, encoder_compute_budget=100,
+                                 async_scheduling=async_scheduling), costs)
+    engine.submit(request("a", image("x", 100), text("qa", 10), output_tokens=3), now=0.0)
+    engine.submit(request("b", image("y", 100), text("qb", 10)), now=0.0)
+    first = dict(run_to_idle(engine))
+    # step 1 (2.11 ms): a's prefill encodes x, which fills the cache: b waits. Without
+    # async scheduling, step 2 sees x freed and encodes y beside a's decode (7.11 ms);
+    # with it, step 2 was planned while step 1 ran (x still pinned: a decodes alone,
+    # 6 ms) and b gets y in step 3
+    assert first["a"] == pytest.approx(2.11 / 1000)
+    assert first["b"] == pytest.approx(b_first_ms / 1000)

@@ -1,14 +1,15 @@
 """The encoder cache model against vLLM's own ``EncoderCacheManager``, op by op.
 
-The engine's own scheduler (``stream.sim.engine.Scheduler``) runs the same seeded traces
-twice: once over ``stream.sim.encoder.EncoderCache`` and once over vLLM's manager, loaded
-from its wheel (``tests/vllm_wheel.py``). Every admission (``can_allocate``), hit
-(``check_and_update_cache``) and step's evictions (``get_freed_mm_hashes``) of the two
-runs are compared in order; the issue asks for 99.9% agreement. The traces: tight and
-roomy caches, 1 to 8 requests running, items drawn with repeats from a small pool, items
-larger than the step's token budget, the same item repeated in one request (turns of a
-conversation), prefix-cache hits that skip or cut into items, and tight KV memory
-(preemption).
+The simulator's server (``stream.sim.engine.Engine``: arrivals in time, the processor
+cache, its scheduler and step queue) runs the same seeded traces twice: once over
+``stream.sim.encoder.EncoderCache`` and once over vLLM's manager, loaded from its wheel
+(``tests/vllm_wheel.py``), put in as the engine's encoder cache. Every admission
+(``can_allocate``), hit (``check_and_update_cache``) and step's evictions
+(``get_freed_mm_hashes``) of the two runs are compared in order; the issue asks for
+99.9% agreement. The traces: tight and roomy caches, 1 to 8 requests running, items
+drawn with repeats from a small pool, items larger than the step's token budget, the
+same item repeated in one request (turns of a conversation), prefix-cache hits that skip
+or cut into items, tight KV memory (preemption), async and synchronous scheduling.
 
 A second test shows that the older whole-request admission (``EncoderCache.admit``)
 disagrees with vLLM on a real share of requests where the cache is tight.
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from stream.sim.encoder import EncoderCache
-from stream.sim.engine import EngineConfig, PromptRequest, Scheduler, Segment
+from stream.sim.engine import Costs, Engine, EngineConfig, PromptRequest, Scheduler, Segment
 from tests import vllm_wheel
 
 TOKEN_BUDGET = 2048
@@ -124,16 +125,20 @@ class Trace:
     kv_blocks: int = 20_000
     requests: int = 160
     prefix_caching: bool = True
+    async_scheduling: bool = True
 
 
 TRACES = [
-    Trace(seed, cache, running, kv_blocks)
+    Trace(seed, cache, running, kv_blocks, async_scheduling=seed not in (2, 7))
     for seed, (cache, running, kv_blocks) in enumerate([
         (8192, 1, 20_000), (8192, 2, 20_000), (8192, 3, 20_000), (8192, 4, 20_000),
         (8192, 6, 20_000), (8192, 8, 20_000), (8192, 3, 1300), (8192, 8, 1400),
         (65_536, 3, 20_000), (65_536, 8, 20_000), (65_536, 8, 1400), (16_384, 5, 20_000),
     ])
 ]
+COSTS = Costs(preprocess_ms_per_item=5, encoder_ms_per_1k_embeddings=10,
+              prefill_ms_per_1k_tokens=1, decode_ms_per_step=5, step_overhead_ms=1)
+STEP_S = 0.005  # arrival steps are this far apart
 
 
 def workload(trace: Trace) -> list[tuple[int, PromptRequest]]:
@@ -152,7 +157,7 @@ def workload(trace: Trace) -> list[tuple[int, PromptRequest]]:
             segments.append(Segment("system", rng.choice([32, 100, 300])))
         chosen = rng.choices(pool, weights, k=rng.randint(1, 4))
         for key, size in chosen:
-            segments.append(Segment(key, size, size, "image"))
+            segments.append(Segment(key, size, size, "image", size * 3000))
             segments.append(Segment(f"q{number}-{len(segments)}", rng.randint(1, 40)))
         if rng.random() < 0.25:  # a later turn shows an earlier item again
             key, size = rng.choice(chosen)
@@ -164,12 +169,32 @@ def workload(trace: Trace) -> list[tuple[int, PromptRequest]]:
 def config(trace: Trace) -> EngineConfig:
     return EngineConfig(max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=trace.running,
                         encoder_cache_size=trace.cache, encoder_compute_budget=max(TOKEN_BUDGET, 3600),
-                        kv_blocks=trace.kv_blocks, enable_prefix_caching=trace.prefix_caching)
+                        kv_blocks=trace.kv_blocks, enable_prefix_caching=trace.prefix_caching,
+                        async_scheduling=trace.async_scheduling)
+
+
+def simulate(trace: Trace, cache: object) -> tuple[Recorder, list[object]]:
+    """Run the trace on an ``Engine`` (the simulator's server: arrivals in time, the
+    processor cache, the step queue) over ``cache``; returns the recorded operations and
+    each request's first-token and finish times."""
+    recorder = Recorder(cache)
+    engine = Engine(config(trace), COSTS, encoder=recorder)  # type: ignore[arg-type]
+    if isinstance(cache, VllmEncoderCache):
+        cache.scheduler = engine.scheduler
+    first: list[tuple[str, float]] = []
+    for step, request in workload(trace):
+        first += engine.advance(step * STEP_S)
+        engine.submit(request, step * STEP_S)
+    while (at := engine.next_event_time()) is not None:
+        first += engine.advance(at)
+    assert len(engine.finished) == trace.requests, "the trace does not drain"
+    return recorder, [first, engine.finished]
 
 
 def run(trace: Trace, cache: object) -> tuple[Recorder, list[object]]:
-    """Drive the scheduler over ``cache`` to the end of the trace; returns the recorded
-    operations and each step's tokens per request, inputs encoded and finished requests."""
+    """Drive the scheduler alone over ``cache``, one step after another (no time), to the
+    end of the trace; returns the recorded operations and each step's tokens per
+    request, inputs encoded and finished requests."""
     recorder = Recorder(cache)
     scheduler = Scheduler(config(trace), recorder)  # type: ignore[arg-type]
     if isinstance(cache, VllmEncoderCache):
@@ -200,7 +225,7 @@ def agreement(name: str, ours: list[object], theirs: list[object]) -> tuple[int,
 @functools.cache
 def vllm_run(number: int) -> tuple[Recorder, list[object]]:
     """Trace ``number`` over vLLM's manager (run once per process)."""
-    return run(TRACES[number], VllmEncoderCache(TRACES[number].cache))
+    return simulate(TRACES[number], VllmEncoderCache(TRACES[number].cache))
 
 
 def compare(model: type[EncoderCache], traces: Iterable[int] = range(len(TRACES)),
@@ -210,7 +235,7 @@ def compare(model: type[EncoderCache], traces: Iterable[int] = range(len(TRACES)
     totals = {"admissions": [0, 0], "hits": [0, 0], "evictions": [0, 0]}
     for number in traces:
         trace, (theirs, their_steps) = TRACES[number], vllm_run(number)
-        ours, our_steps = run(trace, model(trace.cache, max(TOKEN_BUDGET, 3600)))
+        ours, our_steps = simulate(trace, model(trace.cache, max(TOKEN_BUDGET, 3600)))
         for name, total in totals.items():
             same, compared = agreement(name, getattr(ours, name), getattr(theirs, name))
             total[0] += same

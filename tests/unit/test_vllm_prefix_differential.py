@@ -1,9 +1,11 @@
 """The prefix cache model against vLLM's own ``BlockPool``, op by op.
 
-The engine's scheduler and its KV cache manager (``stream.sim.prefix.PrefixCache``) run
-the same seeded traces twice: over ``stream.sim.prefix.BlockPool`` and over vLLM's
-``BlockPool`` with its free queue (``vllm/v1/core/block_pool.py`` and
-``kv_cache_utils.py``, loaded from the wheel by ``tests/vllm_wheel.py``). Compared in
+The simulator's server (``stream.sim.engine.Engine``: its scheduler and its KV cache
+manager, ``stream.sim.prefix.PrefixCache``) runs the same seeded traces twice: over
+``stream.sim.prefix.BlockPool`` and over vLLM's ``BlockPool`` with its free queue
+(``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py``, loaded from the wheel by
+``tests/vllm_wheel.py``). The manager is this repo's on both sides: what is proven is
+the pool (its free-queue order, hash map and reference counts). Compared in
 order: every hit lookup (the block a hash finds, or none), every block handed out with
 the hash it lost (an eviction) and the free-block count before every allocation. The
 traces share system prompts and items (hits), and some have a KV cache small enough that
@@ -21,11 +23,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from stream.sim.encoder import EncoderCache
-from stream.sim.engine import Scheduler
+from stream.sim.engine import Engine
 from stream.sim.prefix import BlockPool, PrefixCache
 from tests import vllm_wheel
-from tests.unit.test_vllm_encoder_differential import TOKEN_BUDGET, Trace, config, workload
+from tests.unit.test_vllm_encoder_differential import COSTS, STEP_S, Trace, config, workload
 
 
 def as_bytes(block_hash: int) -> bytes:
@@ -130,30 +131,28 @@ TRACES = [
 ]
 
 
-def run(trace: Trace, pool: VllmPool | OurPool) -> tuple[Recorder, list[object]]:
+def simulate(trace: Trace, pool: VllmPool | OurPool) -> tuple[Recorder, list[object]]:
+    """Run the trace on an ``Engine`` whose KV cache manager works over ``pool``; returns
+    the recorded operations and each request's first-token and finish times."""
     recorder = Recorder(pool)
     cfg = config(trace)
     prefix = PrefixCache(recorder, cfg.block_size)  # type: ignore[arg-type]
-    scheduler = Scheduler(cfg, EncoderCache(trace.cache, max(TOKEN_BUDGET, 3600)), prefix)
-    arrivals = workload(trace)
-    steps: list[object] = []
-    step = 0
-    while arrivals or scheduler.waiting or scheduler.running:
-        while arrivals and arrivals[0][0] <= step:
-            scheduler.add(arrivals.pop(0)[1])
-        plan = scheduler.schedule()
-        _, finished = scheduler.update(plan)
-        steps.append((plan.tokens, plan.preempted, finished))
-        step += 1
-        assert step < 100_000, "the trace does not drain"
-    return recorder, steps
+    engine = Engine(cfg, COSTS, prefix=prefix)
+    first: list[tuple[str, float]] = []
+    for step, request in workload(trace):
+        first += engine.advance(step * STEP_S)
+        engine.submit(request, step * STEP_S)
+    while (at := engine.next_event_time()) is not None:
+        first += engine.advance(at)
+    assert len(engine.finished) == trace.requests, "the trace does not drain"
+    return recorder, [first, engine.finished, engine.preemptions]
 
 
 @functools.cache
 def vllm_run(number: int) -> tuple[Recorder, list[object]]:
     """Trace ``number`` over vLLM's pool (run once per process)."""
     cfg = config(TRACES[number])
-    return run(TRACES[number], VllmPool(cfg.kv_blocks, cfg.block_size))
+    return simulate(TRACES[number], VllmPool(cfg.kv_blocks, cfg.block_size))
 
 
 def compare(pool: type[OurPool], traces: Iterable[int] = range(len(TRACES))) -> dict[str, tuple[int, int]]:
@@ -162,7 +161,7 @@ def compare(pool: type[OurPool], traces: Iterable[int] = range(len(TRACES))) -> 
     totals = {"hits": [0, 0], "evictions": [0, 0], "free_counts": [0, 0]}
     for number in traces:
         trace, (theirs, their_steps) = TRACES[number], vllm_run(number)
-        ours, our_steps = run(trace, pool(config(trace).kv_blocks))
+        ours, our_steps = simulate(trace, pool(config(trace).kv_blocks))
         for name, total in totals.items():
             a, b = getattr(ours, name), getattr(theirs, name)
             total[0] += sum(x == y for x, y in zip(a, b, strict=False))
@@ -180,7 +179,7 @@ def test_the_prefix_cache_model_agrees_with_vllms_block_pool_op_by_op():
     theirs = [vllm_run(number) for number in range(len(TRACES))]
     found = sum(block is not None for recorder, _ in theirs for block in recorder.hits)
     evicted = sum(digest is not None for recorder, _ in theirs for _, digest in recorder.evictions)
-    preempted = sum(len(p) for _, steps in theirs for _, p, _ in steps)
+    preempted = sum(outcome[2] for _, outcome in theirs)
     print(f"blocks hit {found}, cached blocks evicted {evicted}, preemptions {preempted}")
     assert found > 1000 and evicted > 100 and preempted > 0
 
