@@ -37,9 +37,14 @@ while the current one runs, before its results are in (``Engine``); tokens in fl
 are placeholders, as in vLLM's ``AsyncScheduler``.
 
 What is left out on purpose: speculative decoding, KV connectors, LoRA, priorities,
-``long_prefill_token_threshold`` (0 by default), ``max_model_len``, the KV watermark (0
-by default), partial-block prefix hits, and an item's placeholder tokens that carry no
-embedding are taken to be its last ones (vLLM marks them with ``is_embed``).
+pipeline parallelism, ``long_prefill_token_threshold`` (0 by default),
+``max_model_len`` (a request the KV cache cannot hold is refused at ``submit``), the KV
+watermark (0 by default), sub-block prefix hits (vLLM has them for Mamba layers only),
+the check that one identifier always has one size, and stop strings or EOS (a request
+generates exactly ``output_tokens``). An item's placeholder tokens that carry no
+embedding are taken to be its last ones (vLLM marks them with ``is_embed``). The
+processor cache is one LRU per server (vLLM mirrors it in the front end and the engine
+core, in step); a request whose items all hit does not wait for the preprocessing lane.
 
 Pure and deterministic: no I/O, no clock.
 """

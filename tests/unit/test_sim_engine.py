@@ -3,6 +3,8 @@ caches, on hand-worked cases."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from stream.sim.encoder import EncoderCache
@@ -251,3 +253,31 @@ def test_with_async_scheduling_the_next_step_is_planned_before_the_last_one_is_d
     # 6 ms) and b gets y in step 3
     assert first["a"] == pytest.approx(2.11 / 1000)
     assert first["b"] == pytest.approx(b_first_ms / 1000)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_drained_engine_holds_no_reference_and_every_request_got_one_first_token(async_scheduling):
+    rng = random.Random(7)
+    engine = Engine(EngineConfig(max_num_batched_tokens=512, max_num_seqs=4, encoder_cache_size=2000,
+                                 encoder_compute_budget=2000, kv_blocks=300,
+                                 async_scheduling=async_scheduling), COSTS)
+    now = 0.0
+    first: list[tuple[str, float]] = []
+    for number in range(150):
+        now += rng.expovariate(200)
+        segments = [text("sys", 40)] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(0, 3)):
+            key = f"img{rng.randrange(12)}"
+            segments += [image(key, 100 * (1 + int(key[3:]) % 7)), text(f"q{number}-{len(segments)}", 8)]
+        segments.append(text(f"end{number}", rng.randint(1, 30)))
+        first += engine.advance(now)
+        engine.submit(request(f"r{number}", *segments, output_tokens=rng.randint(1, 40)), now)
+    first += run_to_idle(engine)
+    finished = dict(engine.finished)
+    assert sorted(r for r, _ in first) == sorted(finished) == sorted(f"r{n}" for n in range(150))
+    assert all(at <= finished[r] for r, at in first)
+    cache, prefix = engine.encoder_cache, engine.scheduler.prefix
+    assert all(not holders for holders in cache.refs.values()) and not cache.inputs
+    assert cache.free + cache.freeable_space == cache.size
+    assert prefix.pool.num_free() == 299 and not prefix.blocks
+    assert engine.load == 0 and not engine.scheduler.requests
