@@ -304,6 +304,8 @@ class Scheduler:
 
     def add(self, request: PromptRequest) -> None:
         """A request enters the waiting queue (its inputs already preprocessed)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id} is already in the engine")
         state = _as_request(request, self.config)
         state.hashes = chain_hashes(state.runs, self.config.block_size, state.prompt_tokens)
         self.requests[state.request_id] = state
@@ -559,12 +561,16 @@ class Engine:
         self._depth = 2 if config.async_scheduling else 1
         self._lane_free = 0.0
         self._preparing: list[tuple[float, int, PromptRequest]] = []
+        self._preparing_ids: set[str] = set()
         self._arrivals = 0
 
     def submit(self, request: PromptRequest, now: float) -> None:
         """A request arrives: its items are looked up in the processor cache; the misses
         are preprocessed one after another on the server's lane before it can run."""
         _as_request(request, self.config)  # refuse it now, not when it is scheduled
+        if request.request_id in self.scheduler.requests or request.request_id in self._preparing_ids:
+            raise ValueError(f"request {request.request_id} is already in the engine")
+        self._preparing_ids.add(request.request_id)
         misses = 0
         for digest, nbytes in {s.key: s.nbytes for s in request.segments if s.embeddings}.items():
             self.processor_counts.lookups += 1
@@ -625,6 +631,7 @@ class Engine:
     def _admit_ready(self) -> None:
         while self._preparing and self._preparing[0][0] <= self.now:
             _, _, request = heapq.heappop(self._preparing)
+            self._preparing_ids.discard(request.request_id)
             self.scheduler.add(request)
 
     def _fill(self) -> None:

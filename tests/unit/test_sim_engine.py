@@ -187,6 +187,9 @@ def test_the_engine_refuses_what_vllm_could_never_run():
     with pytest.raises(ValueError, match="embeddings"):
         engine.submit(request("r", Segment("x", 10, 20, "image")), now=0.0)
     assert engine.load == 0 and engine.layers["processor"].lookups == 0
+    engine.submit(request("r", text("t", 10)), now=0.0)
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.submit(request("r", text("t", 10)), now=0.0)
 
 
 def test_the_processor_cache_is_an_lru_by_bytes():
