@@ -268,13 +268,13 @@ class HttpApi:
         for the others) and the endpoints answered from their engine views; counts the
         estimate's checks against every reporting endpoint's view on the way."""
         views = self.state.engine
-        reporting = views.reporting(requested)
+        reporting = set(views.reporting(requested))
         truth = views.hits(items, reporting) if reporting else {}
         if reporting:
             self.metrics.count_checks(len(items), reporting, found, truth)
         return self._answer(requested, reporting, found, truth)
 
-    def _answer(self, requested: list[str], reporting: list[str], found: dict[str, list[Item]],
+    def _answer(self, requested: list[str], reporting: set[str], found: dict[str, list[Item]],
                 truth: dict[str, list[Item]]) -> tuple[dict[str, list[Item]], set[str]]:
         """Each endpoint's hits from the source ``match_source`` gives it: ``auto`` the
         engine view where it reported one, ``engine`` always (an endpoint that never
@@ -282,7 +282,7 @@ class HttpApi:
         mode = self.match_source
         if mode == "estimate" or not (reporting or mode == "engine"):
             return found, set()
-        engine = set(requested) if mode == "engine" else set(reporting)
+        engine = set(requested) if mode == "engine" else reporting
         answer = {name: matched for name, matched in found.items() if name not in engine}
         answer.update(truth)
         return answer, engine
@@ -314,12 +314,12 @@ class HttpApi:
             while start < len(held_truth):
                 await asyncio.sleep(0)
                 start = gather(items, held_truth, truth, start, _SLICE_PAIRS)
-            for first in range(0, len(reporting), _SLICE_PAIRS // len(items) + 1):
+            step = _SLICE_PAIRS // len(items) + 1
+            for first in range(0, len(reporting), step):  # counted in slices of ~_SLICE_PAIRS
                 await asyncio.sleep(0)
-                self.metrics.count_checks(len(items), reporting[first:first + _SLICE_PAIRS // len(items) + 1],
-                                          found, truth)
+                self.metrics.count_checks(len(items), set(reporting[first:first + step]), found, truth)
             await asyncio.sleep(0)
-            found, engine = self._answer(requested, reporting, found, truth)
+            found, engine = self._answer(requested, set(reporting), found, truth)
         best, holders, pairs = 0, {}, 0
         for endpoint, matched in found.items():  # hits counted in slices of ~_SLICE_PAIRS
             holders[endpoint] = matched

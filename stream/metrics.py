@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from itertools import accumulate
 from operator import attrgetter
 
@@ -144,30 +144,34 @@ class Metrics:
                 hits[endpoint, item.modality] += 1
         return best
 
-    def count_checks(self, items: int, reporting: Sequence[str], estimate: Mapping[str, list[Item]],
+    def count_checks(self, items: int, reporting: Collection[str], estimate: Mapping[str, list[Item]],
                      truth: Mapping[str, list[Item]]) -> None:
-        """Count, for each of the ``reporting`` endpoints and each of a match's ``items``
-        (distinct hashes), what its LRU predicted (``estimate``'s hits) against what its
-        engine view holds (``truth``'s hits): the cost follows the hits, plus one
-        lookup a reporting endpoint."""
-        true_hit = false_hit = missed_hit = true_miss = 0
-        for name in reporting:
+        """Count, for each of the ``reporting`` endpoints (distinct) and each of a match's
+        ``items`` (distinct hashes), what its LRU predicted (``estimate``'s hits) against
+        what its engine view holds (``truth``'s hits; only those of ``reporting`` count, so a
+        wide match counts its endpoints in slices). The cost follows the hits: the pairs
+        neither holds are counted in one product."""
+        wanted = reporting if isinstance(reporting, set | frozenset) else set(reporting)
+        touched = wanted.intersection(estimate)
+        touched.update(wanted.intersection(truth))
+        true_hit = false_hit = missed_hit = 0
+        for name in touched:
             guessed, held = estimate.get(name), truth.get(name)
-            if not guessed and not held:
-                true_miss += items
-                continue
-            guesses = {item.hash for item in guessed} if guessed else set()
-            holds = {item.hash for item in held} if held else set()
-            both = len(guesses & holds)
-            true_hit += both
-            false_hit += len(guesses) - both
-            missed_hit += len(holds) - both
-            true_miss += items - len(guesses) - len(holds) + both
+            if guessed is None:
+                missed_hit += len(held)  # type: ignore[arg-type]
+            elif held is None:
+                false_hit += len(guessed)
+            else:
+                guesses = {item.hash for item in guessed}
+                both = sum(1 for item in held if item.hash in guesses)
+                true_hit += both
+                false_hit += len(guessed) - both
+                missed_hit += len(held) - both
         checks = self._checks
         checks[0] += true_hit
         checks[1] += false_hit
         checks[2] += missed_hit
-        checks[3] += true_miss
+        checks[3] += items * len(wanted) - true_hit - false_hit - missed_hit
 
     def record_queries(self, items: Sequence[Item], best: int) -> None:
         """Count a match request's queried items and observe its best score, given the

@@ -65,17 +65,30 @@ def match_entries(items: list[Item], requested: list[str], found: Mapping[str, l
 
 def _mixed(requested: list[str], found: Mapping[str, list[Item]], total: int,
            engine: Set[str]) -> Iterator[bytes]:
-    """``match_entries`` of endpoints of both sources: run by run of one source."""
-    start, end = 0, len(requested)
-    while start < end:
-        from_engine = requested[start] in engine
-        stop = start + 1
-        while stop < end and (requested[stop] in engine) is from_engine:
-            stop += 1
-        names = requested[start:stop]
-        yield from _entries(names, found, total, "engine" if from_engine else "estimate",
-                            [index for index, name in enumerate(names) if name in found])
-        start = stop
+    """``match_entries`` of endpoints of both sources, in one pass: each run of endpoints
+    that hold nothing and share a source is one ``_unmatched``."""
+    tails = {source: f',"matched_items":[],"matched_weight":0,"total_weight":{total},"score":0.0,'
+                     f'"source":"{source}"}}' for source in ("engine", "estimate")}
+    start, source = 0, ""  # the run of unmatched endpoints being gathered, and its source
+    for index, name in enumerate(requested):
+        this = "engine" if name in engine else "estimate"
+        matched = found.get(name)
+        if matched is None:
+            if this != source:
+                if source:
+                    yield _unmatched(requested[start:index], tails[source])
+                start, source = index, this
+            continue
+        if source:
+            yield _unmatched(requested[start:index], tails[source])
+            source = ""
+        weight = sum(map(_SIZE, matched))
+        yield (b'{"endpoint":%b,"matched_items":%b,"matched_weight":%d,'
+               b'"total_weight":%d,"score":%b,"source":"%b"}' % (
+                   orjson.dumps(name), _items_json(matched), weight, total,
+                   orjson.dumps(weight / total), this.encode()))
+    if source:
+        yield _unmatched(requested[start:], tails[source])
 
 
 def _entries(names: list[str], found: Mapping[str, list[Item]], total: int, source: str,

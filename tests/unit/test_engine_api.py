@@ -251,14 +251,19 @@ def test_a_wide_match_answers_as_a_narrow_one(mode):
     names = [f"ns/p{i}" for i in range(300)]
     for offset, name in enumerate(names):
         if offset % 3 == 0:
-            state.apply(report(name, stored("h1", f"x{offset}")), Position(0, 100 + offset))
+            state.apply(report(name, stored("h1", f"x{offset}")), Position(0, 100 + 2 * offset))
         if offset % 2 == 0:
-            state.apply(ItemsPlaced(endpoint=name, items=[Item("h2", 2, "image")]), Position(0, 1000 + offset))
+            state.apply(ItemsPlaced(endpoint=name, items=[Item("h2", 2, "image")]),
+                        Position(0, 101 + 2 * offset))
+    assert len(state.engine.views) == 102
     api, _ = make(state, match_source=mode)
     asked = ASKED + names
     wide = match(api, "h1", "h2", "h3", "h4", endpoints=asked)
-    narrow = [entry for name in asked for entry in match(api, "h1", "h2", "h3", "h4", endpoints=[name])]
+    wide_checks = checks(api)
+    one_by_one, _ = make(state, match_source=mode)
+    narrow = [entry for name in asked for entry in match(one_by_one, "h1", "h2", "h3", "h4", endpoints=[name])]
     assert wide == narrow
+    assert wide_checks == checks(one_by_one) and sum(wide_checks.values()) == 4 * 102  # 100 + ns/a, ns/c
 
 
 def checks(api: HttpApi) -> dict[str, float]:

@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -421,3 +422,30 @@ def test_the_lrus_are_those_of_the_log_without_its_engine_reports(drawn):
     assert lrus(state) == lrus(without) and state.holders == without.holders
     parts = state.endpoint_digests()
     assert {n: d for n, d in parts.items() if not n.startswith(DIGEST_MARK)} == without.endpoint_digests()
+
+
+# -- the answer's sources ---------------------------------------------------------------------
+
+NAMES = [f"ns/pod-{i}" for i in range(12)] + ['ns/"quoted"', "ns/\\slash", "ns/ü"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(requested=st.lists(st.sampled_from(NAMES), unique=True, max_size=14),
+       holders=st.sets(st.sampled_from(NAMES)), engine=st.sets(st.sampled_from(NAMES)))
+def test_the_answer_gives_each_endpoint_its_source_and_otherwise_the_domain_answer(requested, holders, engine):
+    from stream.core.render import render_match
+
+    items = [Item("h1", 2, "image"), Item("h2", 3, "audio")]
+    found = {name: items[: 1 + (len(name) % 2)] for name in holders if name in requested}
+    sourced = {name for name in engine if name in requested}
+    rendered = orjson.loads(render_match(items, requested, found, sourced))
+    total = 5
+    assert rendered == {
+        "request_items": [{"hash": i.hash, "size": i.size, "modality": i.modality} for i in items],
+        "endpoints": [{"endpoint": name,
+                       "matched_items": [{"hash": i.hash, "size": i.size, "modality": i.modality}
+                                         for i in found.get(name, [])],
+                       "matched_weight": sum(i.size for i in found.get(name, [])),
+                       "total_weight": total,
+                       "score": sum(i.size for i in found.get(name, [])) / total,
+                       "source": "engine" if name in sourced else "estimate"} for name in requested]}
