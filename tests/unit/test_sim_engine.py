@@ -284,3 +284,17 @@ def test_a_drained_engine_holds_no_reference_and_every_request_got_one_first_tok
     assert cache.free + cache.freeable_space == cache.size
     assert prefix.pool.num_free() == 299 and not prefix.blocks
     assert engine.load == 0 and not engine.scheduler.requests
+
+
+def test_a_processor_cache_of_zero_bytes_caches_nothing():
+    cache = ProcessorCache(0)
+    assert not cache.lookup("a", 1) and not cache.lookup("a", 1) and cache.used == 0
+
+
+def test_without_prefix_caching_nothing_hits_and_freed_blocks_are_reused_first():
+    prefix = PrefixCache(BlockPool(5, enable_caching=False), 16, enable_caching=False)
+    a = chain_hashes([Run("a", 32)], 16, 32)
+    assert prefix.allocate("r1", 32, 32, a)
+    prefix.free("r1")  # hashless: back at the head of the queue, last block first
+    assert prefix.longest_hit(a, 33) == []
+    assert prefix.pool.free_queue and list(prefix.pool.free_queue)[:2] == [2, 1]
