@@ -160,6 +160,8 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.add_argument("--system-tokens", type=int, default=spec.system_tokens,
                      help="tokens of the system prompt every request shares")
     sim.add_argument("--output-tokens", type=int, default=spec.output_tokens, help="mean tokens per answer")
+    sim.add_argument("--burst", type=int, default=spec.burst,
+                     help="sessions that all start at 0, as a benchmark client starting its users at once")
     sim.add_argument("--trace", type=Path, default=None,
                      help="replay recorded placements (the JSON lines of 'mmcache export') instead of "
                      "the synthetic workload; their timestamps give the arrivals")
@@ -211,7 +213,7 @@ def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
         requests=args.requests, catalogue=args.catalogue, zipf=args.zipf, min_items=args.min_items,
         max_items=args.max_items, fresh_share=args.fresh_share, item_first_share=args.item_first_share,
         conversation_share=args.conversation_share, think_s=args.think_s, system_tokens=args.system_tokens,
-        output_tokens=args.output_tokens, replicas=args.replicas, seed=seed)
+        output_tokens=args.output_tokens, burst=args.burst, replicas=args.replicas, seed=seed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,9 @@ larger than the encoder cache), ties at random, the gateway's own in-flight coun
 to the scraped load, a bound on how much hotter than the rest a server may get for
 affinity (only servers within ``max(min load + bound_slack, bound_factor x mean load)``
 compete on their cache score), and on the render path a request that would wait for a
-render call is routed on load alone (``render_bypass``).
+render call only when it can pay: when the call's wait and service take no longer than a
+hit would save (``render_budget_s``; 0 = :func:`hit_saving_s`), else the request is routed
+on load alone.
 
 Pure and deterministic: simulated time only, every random draw from a seeded generator.
 """
@@ -49,8 +51,8 @@ from stream.core.items import Item
 from stream.sim.engine import Costs, Engine, EngineConfig, PromptRequest
 from stream.sim.workload import Request
 
-__all__ = ["LAYERS", "POLICIES", "FleetSpec", "LayerHits", "PolicyResult", "percentile", "prefix_capacity",
-           "simulate"]
+__all__ = ["LAYERS", "POLICIES", "FleetSpec", "LayerHits", "PolicyResult", "hit_saving_s", "percentile",
+           "prefix_capacity", "simulate"]
 
 POLICIES = ("random", "round-robin", "least-loaded", "index", "index-size", "per-replica", "oracle",
             "index-bounded")
@@ -104,7 +106,7 @@ class FleetSpec:
     tie_break: str = "first"
     bound_factor: float = 1.25
     bound_slack: int = 2
-    render_bypass: bool = True
+    render_budget_s: float = 0.0
 
     @property
     def names(self) -> list[str]:
@@ -196,6 +198,16 @@ class PolicyResult:
                 "throughput_rps": self.throughput, "precision": self.precision, "recall": self.recall}
 
 
+def hit_saving_s(costs: Costs, requests: Sequence[Request]) -> float:
+    """What routing to a server that holds a request's items saves on the mean request:
+    encoding its items and prefilling their placeholder tokens (one token per embedding).
+    A render call that takes longer costs more than the items' affinity wins back."""
+    if not requests:
+        return 0.0
+    embeddings = sum(request.embeddings for request in requests) / len(requests)
+    return embeddings * (costs.encoder_ms_per_1k_embeddings + costs.prefill_ms_per_1k_tokens) / 1e6
+
+
 def prefix_capacity(engine: EngineConfig, requests: Sequence[Request]) -> int:
     """The size-mode capacity that tracks a server's prefix cache: its KV tokens times
     the share of prompt tokens that are item placeholders (an item's KV blocks stay as
@@ -265,6 +277,7 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
     renders = policy in INDEX_POLICIES and fleet.items_path == "render"
     render_free = [0.0] * max(1, fleet.render_replicas)  # when each sidecar is next free
     render_s = 1.0 / fleet.render_rate
+    render_budget = fleet.render_budget_s or hit_saving_s(fleet.costs, requests)
 
     heap: list[tuple[float, int, int, int]] = []  # (time, kind, seq, payload)
     seq = 0
@@ -380,7 +393,7 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
             if renders:
                 sidecar = min(range(len(render_free)), key=render_free.__getitem__)
                 start = max(now, render_free[sidecar])
-                if bounded and fleet.render_bypass and start > now:
+                if bounded and start - now + render_s > render_budget:
                     route(request, now, with_items=False)
                 else:
                     render_free[sidecar] = start + render_s

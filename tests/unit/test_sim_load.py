@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 
 from stream.sim.commands import add_commands
-from stream.sim.fleet import FleetSpec, simulate
+from stream.sim.fleet import FleetSpec, hit_saving_s, simulate
 from stream.sim.load import COLUMNS, load_table
 from stream.sim.workload import WorkloadSpec, generate
 
@@ -39,7 +39,7 @@ def test_on_a_cold_fleet_a_first_pick_tie_break_collapses_onto_one_server_and_th
     assert first.ttft_p90_s > fixed.ttft_p90_s
 
 
-def test_the_render_path_queues_past_its_knee_and_the_bypass_keeps_ttft_near_least_loaded():
+def test_the_render_path_queues_past_its_knee_and_the_fix_keeps_ttft_near_least_loaded():
     """One render sidecar of 9 calls/s: at 6 requests/s the calls barely wait; at 14 the
     queue grows for as long as requests come, and every request routed through it waits."""
     fleet = replace(FLEET, items_path="render", render_replicas=1, render_rate=9.0)
@@ -52,6 +52,18 @@ def test_the_render_path_queues_past_its_knee_and_the_bypass_keeps_ttft_near_lea
     bypass = simulate(above_requests, fleet, "index-bounded")
     assert above.ttft_p90_s > least.ttft_p90_s + 1.0
     assert bypass.ttft_p90_s < least.ttft_p90_s + 0.3
+
+
+def test_the_fix_renders_only_when_the_call_costs_less_than_a_hit_saves():
+    """One item a request, ~1,450 embeddings: a hit saves ~0.07 s; a 9 calls/s sidecar
+    (0.11 s a call) never pays, so the fix routes on load alone; a 100 calls/s one does
+    when it is free."""
+    requests = generate(replace(SPEC, rate=6.0, max_items=1))
+    assert hit_saving_s(FLEET.costs, requests) < 1 / 9.0
+    slow = simulate(requests, replace(FLEET, items_path="render", render_rate=9.0), "index-bounded")
+    fast = simulate(requests, replace(FLEET, items_path="render", render_rate=100.0), "index-bounded")
+    assert slow.rendered == 0
+    assert fast.rendered > 0.8 * len(requests)
 
 
 def test_the_tokenizer_free_path_puts_nothing_on_the_routing_path():
