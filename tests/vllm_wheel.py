@@ -204,5 +204,12 @@ def block_pool() -> types.ModuleType:
     return _load(name, BLOCK_POOL)
 
 
+def kv_cache_utils() -> types.ModuleType:
+    """vLLM's ``vllm.v1.core.kv_cache_utils`` (block hashes, the free queue), loaded with
+    ``block_pool()``."""
+    block_pool()
+    return sys.modules["vllm.v1.core.kv_cache_utils"]
+
+
 if __name__ == "__main__":
     print(wheel())

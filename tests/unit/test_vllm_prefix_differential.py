@@ -25,7 +25,6 @@ import functools
 import hashlib
 import pickle
 import random
-import sys
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -221,7 +220,7 @@ def vllm_block_hashes(runs: Sequence[Run], block_size: int) -> list[bytes]:
     SHA-256 over pickled tuples), with token ids standing for the runs' tokens: token
     ``j`` of text key ``k`` is one id wherever it appears, every placeholder token the
     same id, and each item a multimodal feature at its offset."""
-    utils = sys.modules["vllm.v1.core.kv_cache_utils"]
+    utils = vllm_wheel.kv_cache_utils()
     tokens: list[int] = []
     features = []
     for run in runs:
@@ -267,9 +266,7 @@ def prompts(seed: int) -> list[list[Run]]:
 
 
 def test_block_hashes_are_equal_exactly_where_vllms_are():
-    vllm_wheel.block_pool()  # loads kv_cache_utils
-    utils = sys.modules["vllm.v1.core.kv_cache_utils"]
-    utils.init_none_hash(SHA256)
+    vllm_wheel.kv_cache_utils().init_none_hash(SHA256)
     ours_of: dict[bytes, int] = {}
     theirs_of: dict[int, bytes] = {}
     blocks = 0
