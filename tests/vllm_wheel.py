@@ -5,6 +5,8 @@ The repo never holds vLLM's code: the wheel is downloaded once (``pip download
 need are read from it. ``vllm/v1/core/encoder_cache_manager.py`` imports four things
 (``VllmConfig``, ``EncoderCacheManagerMetadata``, ``init_logger``, ``Request``) that
 would pull in torch; they are stubbed here, which is why the module is loaded alone.
+``block_pool()`` loads ``vllm/v1/core/block_pool.py`` with ``kv_cache_utils.py`` the
+same way (their other imports stubbed, the stubs raising if ever called).
 
 If the wheel cannot be had, ``wheel()`` raises: the tests that need it fail, they do
 not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does).
