@@ -65,30 +65,34 @@ def match_entries(items: list[Item], requested: list[str], found: Mapping[str, l
 
 def _mixed(requested: list[str], found: Mapping[str, list[Item]], total: int,
            engine: Set[str]) -> Iterator[bytes]:
-    """``match_entries`` of endpoints of both sources, in one pass: each run of endpoints
-    that hold nothing and share a source is one ``_unmatched``."""
+    """``match_entries`` of endpoints of both sources, in one pass: the entries of each run
+    of endpoints that hold nothing are joined into one part.
+
+    When no name needs escaping (one ``orjson`` pass over all of them tells), an entry
+    of an endpoint without hits is the name between quotes and its source's tail, as in
+    ``_unmatched``; otherwise each is written by ``_unmatched`` on its own.
+    """
     tails = {source: f',"matched_items":[],"matched_weight":0,"total_weight":{total},"score":0.0,'
                      f'"source":"{source}"}}' for source in ("engine", "estimate")}
-    start, source = 0, ""  # the run of unmatched endpoints being gathered, and its source
-    for index, name in enumerate(requested):
-        this = "engine" if name in engine else "estimate"
+    plain = b"\\" not in orjson.dumps(requested)
+    run: list[str] = []  # entries of the endpoints without hits since the last with some
+    for name in requested:
+        source = "engine" if name in engine else "estimate"
         matched = found.get(name)
         if matched is None:
-            if this != source:
-                if source:
-                    yield _unmatched(requested[start:index], tails[source])
-                start, source = index, this
+            run.append('{"endpoint":"' + name + '"' + tails[source] if plain
+                       else _unmatched([name], tails[source]).decode())
             continue
-        if source:
-            yield _unmatched(requested[start:index], tails[source])
-            source = ""
+        if run:
+            yield ",".join(run).encode()
+            run = []
         weight = sum(map(_SIZE, matched))
         yield (b'{"endpoint":%b,"matched_items":%b,"matched_weight":%d,'
                b'"total_weight":%d,"score":%b,"source":"%b"}' % (
                    orjson.dumps(name), _items_json(matched), weight, total,
-                   orjson.dumps(weight / total), this.encode()))
-    if source:
-        yield _unmatched(requested[start:], tails[source])
+                   orjson.dumps(weight / total), source.encode()))
+    if run:
+        yield ",".join(run).encode()
 
 
 def _entries(names: list[str], found: Mapping[str, list[Item]], total: int, source: str,
