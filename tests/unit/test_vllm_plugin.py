@@ -45,19 +45,25 @@ class Post:
 class Recorder:
     """Records every POST. ``answer`` is the status it gives; while ``hold`` is clear it
     hangs each POST until the hold is set, then answers 503 (the plugin gave up on it
-    long before, and nothing of it was applied)."""
+    long before, and nothing of it was applied). While ``gate`` is clear a POST waits
+    for it and is then taken as usual (``arrived`` counts the POSTs that came)."""
 
     def __init__(self, port: int = 0) -> None:
         self.posts: list[Post] = []
         self.answer = 202
         self.hold = threading.Event()
         self.hold.set()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.arrived = 0
         self.lock = threading.Lock()
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                recorder.arrived += 1
+                recorder.gate.wait(60)
                 held = not recorder.hold.is_set()
                 if held:
                     with recorder.lock:
@@ -112,6 +118,7 @@ class Recorder:
 
     def close(self) -> None:
         self.hold.set()
+        self.gate.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -154,7 +161,8 @@ def make_manager():
     made: list[MmcacheEncoderCacheManager] = []
 
     def make(url: str, cache_size: int = 4000, **settings: Any) -> MmcacheEncoderCacheManager:
-        settings = {"url": url, "endpoint": ENDPOINT, "interval_s": 0.01, **settings}
+        # a POST's timeout far above any test's wait: only the tests that want one time out
+        settings = {"url": url, "endpoint": ENDPOINT, "interval_s": 0.01, "timeout_s": 30.0, **settings}
         manager = MmcacheEncoderCacheManager.create_manager(cache_size=cache_size,
                                                             vllm_config=vllm_config(**settings))
         made.append(manager)
@@ -239,12 +247,14 @@ def test_reset_is_reported_cleared(recorder, make_manager):
 
 
 def test_batches_hold_at_most_batch_size_items_one_event_per_run(recorder, make_manager):
-    manager = make_manager(recorder.url, cache_size=10**6, batch_size=16, interval_s=0.5)
-    wait_for(lambda: len(recorder.applied()) == 1)  # the start's cleared; the sender now sleeps 0.5 s
+    recorder.gate.clear()
+    manager = make_manager(recorder.url, cache_size=10**6, batch_size=16, interval_s=5.0)
+    wait_for(lambda: recorder.arrived == 1)  # the sender waits in its first POST (the start's cleared)
     for n in range(100):
         request = make_request(f"r{n}", [(f"x{n}", 5, "image")])
         manager.allocate(request, 0)
     manager.get_freed_mm_hashes()
+    recorder.gate.set()  # then sends what was queued meanwhile at once, a batch after the other
     wait_for(lambda: manager.reporter.counters().sent == 101)
     posts = recorder.applied()[1:]
     assert [len(post.body["events"][0]["items"]) for post in posts] == [16] * 6 + [4]
@@ -254,8 +264,9 @@ def test_batches_hold_at_most_batch_size_items_one_event_per_run(recorder, make_
 
 
 def test_mixed_batch_keeps_order(recorder, make_manager):
-    manager = make_manager(recorder.url, cache_size=100, interval_s=0.5)
-    wait_for(lambda: len(recorder.applied()) == 1)
+    recorder.gate.clear()
+    manager = make_manager(recorder.url, cache_size=100, interval_s=5.0)
+    wait_for(lambda: recorder.arrived == 1)
     first, second = make_request("r1", [("p", 60, "image")]), make_request("r2", [("q", 60, "image")])
     manager.can_allocate(first, 0, 1000, 0)
     manager.allocate(first, 0)
@@ -265,6 +276,7 @@ def test_mixed_batch_keeps_order(recorder, make_manager):
     manager.allocate(second, 0)
     manager.get_freed_mm_hashes()
     manager.reset()
+    recorder.gate.set()
     wait_for(lambda: len(recorder.applied()) == 2)
     assert recorder.applied()[1].body["events"] == [  # p's eviction is told at the end of its pass
         {"type": "stored", "items": [{"hash": "p", "size": 60, "modality": "image"},
