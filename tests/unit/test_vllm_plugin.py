@@ -511,3 +511,13 @@ def test_endpoint_defaults_to_the_pods_namespaced_name(tmp_path):
         endpoint({})
     config = ReporterConfig.from_manager_config({"url": "http://mmcache:8080/", "endpoint": "x/y"}, {})
     assert config.events_url == "http://mmcache:8080/v1/engine-events"
+
+
+def test_a_vllm_whose_manager_differs_is_refused_at_start():
+    class Renamed(MmcacheEncoderCacheManager):
+        def __init__(self, cache_size: int) -> None:
+            super().__init__(cache_size)
+            del self.num_embeds_by_hash  # as if a later vLLM named it otherwise
+
+    with pytest.raises(ConfigError, match="EncoderCacheManager has no num_embeds_by_hash"):
+        Renamed.create_manager(cache_size=100, vllm_config=vllm_config(url="http://mmcache", endpoint=ENDPOINT))

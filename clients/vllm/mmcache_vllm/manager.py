@@ -50,6 +50,7 @@ class MmcacheEncoderCacheManager(EncoderCacheManager):
         _check_served_alone(vllm_config)
         config = ReporterConfig.from_manager_config(_manager_config(vllm_config))
         manager = cls(cache_size=cache_size)
+        _check_base(manager)
         manager.reporter = EngineEventReporter(config, manager._holdings)
         manager.reporter.start()
         return manager
@@ -102,6 +103,18 @@ class MmcacheEncoderCacheManager(EncoderCacheManager):
         """Every entry held now, for a resync (the scheduler thread, within a hook)."""
         modalities = self._modalities
         return [(mm_hash, size, modalities.get(mm_hash)) for mm_hash, size in self.num_embeds_by_hash.items()]
+
+
+def _check_base(manager: EncoderCacheManager) -> None:
+    """What the plugin relies on in vLLM's class (public in its docstring): refused at
+    start if this vLLM's class differs, rather than failing inside the scheduler."""
+    missing = [name for name in ("allocate", "get_freed_mm_hashes", "reset")
+               if not callable(getattr(EncoderCacheManager, name, None))]
+    missing += [name for name in ("cached", "num_embeds_by_hash")
+                if not isinstance(getattr(manager, name, None), dict)]
+    if missing:
+        raise ConfigError(f"mmcache-vllm: this vLLM's EncoderCacheManager has no {', '.join(missing)}; "
+                          "mmcache-vllm was written for vLLM 0.33")
 
 
 def _manager_config(vllm_config: Any) -> Any:
