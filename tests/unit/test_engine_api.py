@@ -328,3 +328,11 @@ def test_reports_need_a_write_token_as_placements_do(tmp_path):
 
     assert asyncio.run(run()) == [401, 401, 202]
     assert len(publisher.events) == 1
+
+
+def test_serve_takes_match_source_as_a_flag(monkeypatch):
+    from stream.cli import _parser, _settings
+
+    monkeypatch.setenv("MMCACHE_MATCH_SOURCE", "estimate")
+    assert _settings(_parser().parse_args(["serve", "--match-source", "engine"])).settings.match_source == "engine"
+    assert _settings(_parser().parse_args(["serve"])).settings.match_source == "estimate"
