@@ -295,7 +295,9 @@ class HttpApi:
         C); the per-endpoint lists and the answer are then built from that copy in
         slices of ~``_SLICE_PAIRS`` pairs and ~``_SLICE_BYTES`` bytes, the loop turning
         between them, so the view the worker goes on changing is never read half-way.
-        The slices are sent as they are, never joined into one answer.
+        The engine views' holders are read at the same moment and gathered, counted
+        (the estimate's checks) and answered from the same way. The slices are sent as
+        they are, never joined into one answer.
         """
         requested = list(dict.fromkeys(endpoints))
         held = held_by(self.state.holders, items, requested)
