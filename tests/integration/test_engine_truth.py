@@ -2,7 +2,8 @@
 (POST /v1/engine-events) make its engine view, which /v1/match answers it from (source
 engine) while an endpoint that never reported answers from its estimate LRU; the estimate's
 checks are counted; the view survives a restart, is the same on a second worker of the app
-(recovered from the changelog and followed), and `rebuild` replays it to the live digest."""
+(recovered from the changelog and followed), and `rebuild` replays it to the live digest
+(a deployment seeded from its dir starts with the same views and goes on with the log)."""
 
 from __future__ import annotations
 
@@ -82,18 +83,26 @@ def test_reports_answer_from_the_engine_view_survive_a_restart_and_rebuild_to_th
     eventually(lambda: _views(service) == {A: 0}, timeout=30)
     assert _answers(service, [A], "h1", "h2", "h5") == {A: ("engine", [])}
 
+    _report(service, B, {"type": "stored", "items": [_item("h7")]})
+    eventually(lambda: _views(service) == {A: 0, B: 1}, timeout=30)
     live = service.digest()
+    topic, seeded = f"{service.app_id}-events", f"{service.app_id}-seeded"
     done = subprocess.run(
         [sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers", service.bootstrap,
-         "--data-dir", str(tmp_path / "rebuilt"), "--app-id", service.app_id],
+         "--data-dir", str(tmp_path / "rebuilt"), "--app-id", seeded, "--topic", topic],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == live
+    # a deployment seeded from the rebuilt dir starts with the same views, and goes on
+    copy = make_service(app_id=seeded, data_dir=tmp_path / "rebuilt", extra=["--topic", topic])
+    assert copy.digest() == live and _views(copy) == {A: 0, B: 1}
 
     # deleting the endpoint drops both: A answers from its (now empty) estimate again
     assert service.post("/v1/endpoint-events", {"type": "deleted", "endpoint": A})[0] == 202
-    eventually(lambda: "engine_views" not in service.get("/v1/state")[1], timeout=30)
-    assert _answers(service, [A, B], "h1", "h5") == {A: ("estimate", []), B: ("estimate", ["h1"])}
+    for svc in (service, copy):
+        eventually(lambda svc=svc: _views(svc) == {B: 1}, timeout=30)
+        assert _answers(svc, [A, B], "h1", "h5", "h7") == {A: ("estimate", []), B: ("engine", ["h7"])}
+    assert service.digest() == copy.digest()
 
 
 def test_a_second_worker_holds_the_same_engine_views(make_service, tmp_path: Path) -> None:
