@@ -243,6 +243,10 @@ class Metrics:
         yield GaugeMetricFamily(
             "mmcache_engine_view_entries", "Engine view entries over all endpoints",
             value=sum(len(view.entries) for view in views.values()))
+        yield CounterMetricFamily(
+            "mmcache_engine_view_bound_drops", "Engine view entries this worker's fold dropped "
+            "because a view held MMCACHE_ENGINE_VIEW_MAX_ENTRIES (its engine still holds them: "
+            "raise the bound)", value=self._state.engine.bound_drops)
 
 
 def _histogram_family(

@@ -77,6 +77,7 @@ class EngineViews:
         self.views: dict[str, EngineView] = {}
         self.holders: dict[str, set[str]] = {}
         self._dirty = dirty
+        self.bound_drops = 0  # entries this fold dropped past max_entries (not state: a count)
 
     # -- the fold ---------------------------------------------------------------------
 
@@ -126,6 +127,7 @@ class EngineViews:
                     evicted = next(iter(entries))
                     held_before.setdefault(evicted, True)
                     self._take_out(view, name, evicted)
+                    self.bound_drops += 1
         for digest, at in sorted(last_stored.items(), key=lambda pair: pair[1]):
             size = entries.get(digest)
             if size is not None:

@@ -283,6 +283,15 @@ def test_the_estimates_checks_count_each_reporting_endpoint_and_requested_item()
     assert checks(api) == {"true_hit": 1, "false_hit": 1, "missed_hit": 2, "true_miss": 4}
 
 
+def test_the_views_bound_drops_are_counted():
+    state = CacheState(Capacity.from_params(6), 2)
+    state.apply(report("ns/a", stored("h1", "h2", "h3", "h4")), Position(0, 0))
+    api, _ = make(state)
+    [(status, text)] = run_calls(api, [("GET", "/metrics", None)])
+    assert "mmcache_engine_view_bound_drops_total 2.0" in text
+    assert "mmcache_engine_views 1.0" in text and "mmcache_engine_view_entries 2.0" in text
+
+
 def test_no_checks_are_counted_without_reporting_endpoints():
     state = CacheState(Capacity.from_params(6))
     state.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 2, "image")]), Position(0, 0))

@@ -137,6 +137,7 @@ def test_a_view_holds_at_most_its_bound_dropping_the_least_recently_stored():
     assert views(state) == {"e": [("d", 1), ("b", 1), ("x", 1)]}
     assert [(change.hash, change.size) for change in effects.engine] == [
         ("d", 1), ("b", 1), ("x", 1), ("a", None)]  # c came and went: nothing to store
+    assert state.engine.bound_drops == 2
     with pytest.raises(ValueError):
         CacheState(CAPACITY, 0)
 
