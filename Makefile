@@ -69,7 +69,7 @@ integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m alone tests/integration
 
 lint: $(STAMP)
-	$(BIN)/ruff check stream tests
+	$(BIN)/ruff check stream tests clients/vllm
 
 schemas: $(STAMP)
 	$(BIN)/python -m stream.schemas_gen
