@@ -119,7 +119,7 @@ class WorkloadSpec:
     rate, 6,390 tokens/s at 120 QPS, is ~53 tokens per request.
     """
 
-    requests: int = 1000
+    requests: int = 600
     rate: float = 40.0
     catalogue: int = 2000
     zipf: float = 1.0
