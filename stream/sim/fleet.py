@@ -260,7 +260,9 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
     names = fleet.names
     count = len(names)
     engines = [Engine(fleet.engine, fleet.costs) for _ in names]
-    rng = random.Random(f"{seed}/{policy}")
+    # one stream for every policy (common random numbers): two policies that decide alike
+    # draw alike, so what differs between them is their decisions, not their luck
+    rng = random.Random(seed)
     result = PolicyResult(policy, predicts=policy in INDEX_POLICIES)
     bounded = policy == "index-bounded"
     first_pick = fleet.tie_break == "first" and policy in ("index", "index-size", "per-replica")

@@ -66,6 +66,15 @@ def test_the_fix_renders_only_when_the_call_costs_less_than_a_hit_saves():
     assert fast.rendered > 0.8 * len(requests)
 
 
+def test_when_no_render_call_pays_the_fix_routes_exactly_as_least_loaded():
+    requests = generate(replace(SPEC, rate=12.0, max_items=1))
+    fleet = replace(FLEET, items_path="render")
+    fixed = simulate(requests, fleet, "index-bounded")
+    least = simulate(requests, fleet, "least-loaded")
+    assert fixed.rendered == 0
+    assert fixed.ttft_s == least.ttft_s
+
+
 def test_the_tokenizer_free_path_puts_nothing_on_the_routing_path():
     requests = generate(replace(SPEC, rate=14.0))
     result = simulate(requests, FLEET, "index")
