@@ -207,8 +207,8 @@ class ChangelogFollower(mode.Service):
         dropped = gate.dropped
         admitted = gate.admit((r.key, r.value, (r.key, r.value)) for r in records)
         if gate.dropped > dropped:
-            log.warning("changelog partition %d: skipped %d events written again after later "
-                        "ones (a resumed zombie owner or a resent batch)", partition,
+            log.warning("changelog partition %d: skipped %d records of events written again "
+                        "after later ones (a resumed zombie owner or a resent batch)", partition,
                         gate.dropped - dropped)
         reread = self.rereads.get(partition)
         if reread is not None:

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,7 +53,7 @@ from stream.store import (
     engine_records,
 )
 
-__all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment"]
+__all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment", "seed_records"]
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +302,8 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     datadir.root.mkdir(parents=True, exist_ok=True)
     datadir.lock()  # no serve may start on a dir being rebuilt
     try:
-        datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
-                      cluster)
+        datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
+                                       settings.engine_view_max_entries), cluster)
         count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
         groups = balanced_groups(sizes, count)
         # fork: no threads run here yet, and a forked worker starts in milliseconds
@@ -335,6 +335,27 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     finally:
         datadir.unlock()
     return combine_digests({k: v for p in parts for k, v in p.endpoint_digests.items()})
+
+
+def seed_records(records: Iterable[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """One rebuilt partition's records in the order its changelog gets them: the file's
+    (key) order, the applied-offset record last.
+
+    Every rebuilt record carries offset 0 in its rank, below the applied offset, and a
+    reader of the changelog (``ChangelogGate``: the follower's re-read, Faust's restore,
+    the embedded log's ``applied_prefix``) takes a ranked record that comes after an
+    applied record at or above its offset for an event written again, and drops it.
+    In key order the applied record (``0x02``) precedes the engine views' (``0x04``),
+    which would all be dropped; sent last, it follows every record it covers.
+    """
+    applied: tuple[bytes, bytes] | None = None
+    for key, value in records:
+        if key == APPLIED_KEY:
+            applied = (key, value)
+        else:
+            yield key, value
+    if applied is not None:
+        yield applied
 
 
 async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: str,
@@ -374,7 +395,7 @@ async def seed_deployment(bootstrap: str, datadir: DataDir, app_id: str, topic: 
         for partition in datadir.partitions():
             db = datadir.open_partition(partition, read_only=True)
             try:
-                for key, value in db.items():
+                for key, value in seed_records(db.items()):
                     acks.append(await producer.send(changelog, value, key=key, partition=partition))
                     if key == APPLIED_KEY:
                         commits[TopicPartition(topic, partition)] = OffsetAndMetadata(

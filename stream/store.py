@@ -166,6 +166,8 @@ class ChangelogGate:
     and applied records tell their event themselves and pass or drop at once; removals
     tell nothing, so they wait for their event's applied record (they are few: a seeded
     or compacted changelog, with one applied record per partition, holds none back).
+    ``dropped`` counts the records dropped (upserts, removals and applied records), so
+    that no record is lost unseen.
     """
 
     def __init__(self, applied: int = -1) -> None:
@@ -197,12 +199,14 @@ class ChangelogGate:
                     passed.append(item)
                     self.applied = applied
                 else:
-                    self.dropped += 1
+                    self.dropped += 1 + len(removals)
                 removals.clear()
             elif value is None:
                 removals.append(item)
             elif key[:1] not in _RANKED or unpack(value)[0] > self.applied:
                 passed.append(item)
+            else:
+                self.dropped += 1
         return passed
 
 

@@ -1,0 +1,160 @@
+"""Engine views through the recovery paths the review found broken: a seeded changelog
+read back (the follower's re-read, the follower resuming, the gate of Faust's restore),
+a restart with another view bound (refused, as another capacity is), and a reload or
+re-read that turns the loop every slice of engine records as it does for LRUs."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream.core.cache import CacheState
+from stream.core.engine import ENGINE_VIEW_ENTRIES
+from stream.core.events import Position
+from stream.datadir import DataDir, StateMismatch
+from stream.follower import ChangelogFollower, Reread
+from stream.kafka.embedded_log import applied_prefix
+from stream.rebuild import seed_records, write_state
+from stream.store import (
+    APPLIED_KEY,
+    ChangelogGate,
+    load_partition_in_slices,
+)
+from stream.view_load import load_partition_into_view
+from tests.unit.test_engine_views import (
+    CAPACITY,
+    assert_same,
+    live,
+    mixed_logs,
+    place,
+    report,
+    stored,
+)
+
+APP, TOPIC = "mmcache", "mmcache-events"
+
+
+# -- 1. a seeded changelog keeps every engine view -------------------------------------------
+
+
+def seeded_changelog(state: CacheState, partitions: int) -> dict[int, list[tuple[bytes, bytes]]]:
+    """What ``seed_deployment`` sends to each changelog partition, in order, for the
+    files ``rebuild`` writes of ``state``."""
+    with tempfile.TemporaryDirectory() as root:
+        datadir = DataDir(Path(root) / "state")
+        datadir.check(DataDir.identity(APP, TOPIC, CAPACITY, 3))
+        write_state(datadir, state, range(partitions))
+        sent = {}
+        for partition in datadir.partitions():
+            db = datadir.open_partition(partition, read_only=True)
+            try:
+                sent[partition] = list(seed_records(db.items()))
+            finally:
+                db.close()
+        return sent
+
+
+def test_a_seeded_partition_sends_its_applied_record_last():
+    state = CacheState(CAPACITY, 3)
+    state.apply(place("e", "a"), Position(0, 0))
+    state.apply(report("e", stored("h1", "9f" * 32)), Position(0, 4))
+    records = seeded_changelog(state, 1)[0]
+    assert records[-1][0] == APPLIED_KEY
+    assert [key[:1] for key, _ in records] == [b"\x01", b"\x04", b"\x04", b"\x04", b"\x02"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(mixed_logs(), st.data())
+def test_a_seeded_changelog_read_back_equals_live(drawn, data):
+    """Through the gate into a re-read, through the follower's own re-read (fed in two
+    fetches), and through the embedded log's recovery cut: the views, LRUs and digest of
+    the live state."""
+    partitions, log = drawn
+    state, _ = live(log)
+    changelog = seeded_changelog(state, partitions)
+    rereads = CacheState(CAPACITY, 3)
+    follower = ChangelogFollower("127.0.0.1:1", "changelog", CacheState(CAPACITY, 3))
+    resuming = ChangelogFollower("127.0.0.1:1", "changelog", CacheState(CAPACITY, 3))
+    for partition, records in sorted(changelog.items()):
+        gate, reread = ChangelogGate(), Reread()
+        for key, value in gate.admit((key, value, (key, value)) for key, value in records):
+            reread.add(key, value)
+        assert gate.dropped == 0
+        for _ in load_partition_in_slices(rereads, partition, reread.records(), 2):
+            pass
+        fed = [SimpleNamespace(key=key, value=value, offset=at) for at, (key, value) in enumerate(records)]
+        follower.rereads[partition], follower._gates[partition] = Reread(), ChangelogGate()  # as _reread
+        cut = data.draw(st.integers(0, len(fed)))
+        follower._take(partition, fed[:cut])
+        follower._take(partition, fed[cut:])
+        asyncio.run(load_partition_into_view(follower.view, partition,
+                                             follower.rereads.pop(partition).records()))
+        resuming._take(partition, fed)
+        if partition in state.applied:  # a kept log cut at the applied record keeps them all
+            assert applied_prefix(fed, state.applied[partition] + 1) == len(fed)
+    assert_same(rereads, state)
+    assert_same(follower.view, state)
+    # a follower already past its re-read applies them as they come, in key order: the
+    # same entries (their order is the rank's only through a re-read, for LRUs as well)
+    assert {n: set(v.entries.items()) for n, v in resuming.view.engine.views.items()} == {
+        n: set(v.entries.items()) for n, v in state.engine.views.items()}
+    assert resuming.view.engine.holders == state.engine.holders
+
+
+def test_the_gate_counts_the_records_it_drops():
+    """Records ranked at or below the applied offset that come after it are dropped, and
+    counted: what the key order lost unseen before the applied record went last."""
+    state = CacheState(CAPACITY, 3)
+    state.apply(report("e", stored("h1", "h2")), Position(0, 0))
+    records = seeded_changelog(state, 1)[0]
+    key_order = sorted(records)  # the file's order, the applied record before the views'
+    gate = ChangelogGate()
+    admitted = gate.admit((key, value, key) for key, value in key_order)
+    assert admitted == [APPLIED_KEY] and gate.dropped == 3  # the view's record, its 2 entries
+
+
+# -- 2. the view bound is part of the data dir's identity -------------------------------------
+
+
+def test_a_restart_with_another_view_bound_is_refused_naming_it(tmp_path):
+    DataDir(tmp_path).claim(DataDir.identity(APP, TOPIC, CAPACITY, 1024))
+    DataDir(tmp_path).release()
+    again = DataDir(tmp_path)
+    with pytest.raises(StateMismatch, match="engine_view_max_entries 1024 here, 2048 given.*"
+                                            "mmcache rebuild"):
+        again.claim(DataDir.identity(APP, TOPIC, CAPACITY, 2048))
+    again.claim(DataDir.identity(APP, TOPIC, CAPACITY, 1024))  # the same bound is taken
+    assert again.read_identity()["engine_view_max_entries"] == 1024
+
+
+def test_an_old_marker_without_the_bound_reads_as_the_default(tmp_path):
+    old = {"format": 1, "app_id": APP, "topic": TOPIC, "capacity": list(CAPACITY)}
+    tmp_path.joinpath("mmcache-state.json").write_bytes(orjson.dumps(old))
+    datadir = DataDir(tmp_path)
+    with pytest.raises(StateMismatch, match=f"engine_view_max_entries {ENGINE_VIEW_ENTRIES} here, 16 given"):
+        datadir.check(DataDir.identity(APP, TOPIC, CAPACITY, 16))
+    datadir.check(DataDir.identity(APP, TOPIC, CAPACITY))
+    assert DataDir.identity(APP, TOPIC, CAPACITY)["engine_view_max_entries"] == ENGINE_VIEW_ENTRIES
+    assert datadir.read_identity() == DataDir.identity(APP, TOPIC, CAPACITY)
+    assert datadir.load_state().engine.max_entries == ENGINE_VIEW_ENTRIES
+
+
+def test_a_dir_loads_with_the_bound_it_was_folded_with(tmp_path):
+    state = CacheState(CAPACITY, 2)
+    state.apply(report("e", stored("a", "b", "c")), Position(0, 0))
+    datadir = DataDir(tmp_path)
+    datadir.check(DataDir.identity(APP, TOPIC, CAPACITY, 2))
+    write_state(datadir, state, [0])
+    loaded = DataDir(tmp_path).load_state()
+    assert loaded.engine.max_entries == 2
+    loaded.apply(report("e", stored("d")), Position(0, 1))
+    state.apply(report("e", stored("d")), Position(0, 1))
+    assert list(loaded.engine.views["e"].entries) == list(state.engine.views["e"].entries) == ["c", "d"]
+    assert loaded.digest() == state.digest()
