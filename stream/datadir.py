@@ -1,8 +1,9 @@
 """The on-disk layout of a worker's state, and the rules for reusing it.
 
-``DATA_DIR/mmcache-state.json`` names the layout version, app id, event topic and
-capacity the state was built for, and the Kafka cluster id it was built against; a data
-dir built for other ones is refused.
+``DATA_DIR/mmcache-state.json`` names the layout version, app id, event topic,
+capacity and engine view bound the state was built for, and the Kafka cluster id it was
+built against; a data dir built for other ones is refused (a marker of a release before
+the bound was recorded holds none: it was built with the default, ``ENGINE_VIEW_ENTRIES``).
 ``DATA_DIR/v1/tables/lru-<partition>.db`` are the RocksDB files (Faust's layout, so the
 worker, ``rebuild`` and ``state digest`` share them; Faust adds an empty ``lru-backups``).
 ``DATA_DIR/v1/log`` is the embedded broker's log (``stream.kafka.embedded_log``).
@@ -33,6 +34,7 @@ import orjson
 from rocksdict import AccessType, Options, Rdict
 
 from stream.core.cache import CacheState, Capacity
+from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.kafka.embedded import EMBEDDED_CLUSTER_PREFIX
 from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
 from stream.kafka.topics import TABLE_NAME
@@ -43,6 +45,7 @@ __all__ = ["LOCK_NAME", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse",
 STATE_FORMAT = 1
 LOCK_NAME = "mmcache.lock"
 _CLUSTER_KEY = "cluster_id"
+_BOUND_KEY = "engine_view_max_entries"
 _IDENTITY_KEYS = frozenset({"format", "app_id", "topic", "capacity"})
 _TABLE_DIR = re.compile(rf"^{TABLE_NAME}-\d+\.db$")
 _TABLE_SST = re.compile(rf"^{TABLE_NAME}-\d+\.sst$")  # rebuild's bulk file, before its ingest
@@ -128,9 +131,16 @@ def _is_ours(parts: tuple[str, ...], path: Path, is_dir: bool) -> bool:
     return False
 
 
+def _recorded(marker: dict[str, Any]) -> dict[str, Any]:
+    """A marker's content, the engine view bound filled in where it was not recorded yet
+    (a state of an earlier release was folded with the default)."""
+    return {**marker, _BOUND_KEY: marker.get(_BOUND_KEY, ENGINE_VIEW_ENTRIES)}
+
+
 class StateMismatch(SystemExit):
     """The data dir is not one this worker may use (another layout, app, topic,
-    capacity or cluster, or files mmcache did not create); nothing in it was changed."""
+    capacity, engine view bound or cluster, or files mmcache did not create); nothing in
+    it was changed."""
 
 
 class DataDirInUse(StateMismatch):
@@ -149,10 +159,13 @@ class DataDir:
         self.log_root = root / "v1" / LOG_DIR_NAME
 
     @staticmethod
-    def identity(app_id: str, topic: str, capacity: Capacity) -> dict[str, Any]:
-        """What a state is built for; equal identities can share a data dir."""
+    def identity(app_id: str, topic: str, capacity: Capacity,
+                 engine_view_max_entries: int = ENGINE_VIEW_ENTRIES) -> dict[str, Any]:
+        """What a state is built for; equal identities can share a data dir. The engine
+        view bound is a bound of the fold, as the capacity is: a state folded with another
+        one is not what this fold gives for the same log."""
         return {"format": STATE_FORMAT, "app_id": app_id, "topic": topic,
-                "capacity": list(capacity)}
+                "capacity": list(capacity), _BOUND_KEY: engine_view_max_entries}
 
     def claim(self, identity: dict[str, Any], *, cluster_id: str | None = None) -> None:
         """Take the dir for a worker, in this order: refuse a dir holding anything that is
@@ -276,12 +289,15 @@ class DataDir:
         empty dir as ours. A state with no recorded cluster (one ``rebuild`` wrote) is
         taken as built against ``cluster_id``, which is recorded."""
         if self.marker.exists():
-            found = orjson.loads(self.marker.read_bytes())
+            found = _recorded(orjson.loads(self.marker.read_bytes()))
             recorded = found.pop(_CLUSTER_KEY, None)
             if found != identity:
+                differ = ", ".join(f"{key} {found.get(key)} here, {identity.get(key)} given"
+                                   for key in sorted(found.keys() | identity.keys())
+                                   if found.get(key) != identity.get(key))
                 raise StateMismatch(
-                    f"{self.root} holds state for {found}, not {identity}. Use another "
-                    "--data-dir, or build one for these settings with `mmcache rebuild`."
+                    f"{self.root} holds state for {found}, not {identity} ({differ}). Use "
+                    "another --data-dir, or build one for these settings with `mmcache rebuild`."
                 )
             if cluster_id is None or recorded == cluster_id:
                 return
@@ -330,7 +346,7 @@ class DataDir:
         """The identity recorded in the dir."""
         if not self.marker.exists():
             raise StateMismatch(f"{self.root} holds no mmcache state")
-        found = dict(orjson.loads(self.marker.read_bytes()))
+        found = _recorded(orjson.loads(self.marker.read_bytes()))
         found.pop(_CLUSTER_KEY, None)
         return found
 
@@ -355,7 +371,7 @@ class DataDir:
     def load_state(self) -> CacheState:
         """Read a stopped worker's whole state (for digests and checks)."""
         identity = self.read_identity()
-        state = CacheState(Capacity(*identity["capacity"]))
+        state = CacheState(Capacity(*identity["capacity"]), identity[_BOUND_KEY])
         for partition in self.partitions():
             db = self.open_partition(partition, read_only=True)
             try:

@@ -235,9 +235,10 @@ def test_check_marks_an_empty_dir_and_accepts_the_same_identity(tmp_path):
         DataDir.identity(APP, "other-topic", CAPACITY),
         DataDir.identity(APP, TOPIC, Capacity("items", 512)),
         DataDir.identity(APP, TOPIC, Capacity("size", 1024)),
+        DataDir.identity(APP, TOPIC, CAPACITY, 1024),
         {**IDENTITY, "format": STATE_FORMAT + 1},
     ],
-    ids=["app-id", "topic", "capacity", "capacity-mode", "format"],
+    ids=["app-id", "topic", "capacity", "capacity-mode", "engine-view-bound", "format"],
 )
 def test_check_refuses_a_dir_built_for_something_else(tmp_path, other):
     DataDir(tmp_path).check(IDENTITY)
