@@ -342,62 +342,65 @@ def load_partition_in_slices(state: CacheState, partition: int,
     caller on an event loop can run the loop in between: the one path by which a reload
     (from the table's file) and the follower (from a changelog re-read) load a partition.
 
-    What the partition held before keeps answering until it is replaced: each LRU is
-    swapped whole (``CacheState.replace_lru``) as soon as its keys end (the store
-    iterates in key order, so an endpoint's keys come together and a step holds at most
-    the slice plus one endpoint's capacity), then the endpoints the records do not have
-    are dropped; no step removes an entry the records hold. Each LRU is ordered by the
-    stored rank, whatever order the records came in. Engine views go the same way, after
-    the LRUs: each swapped whole (``EngineViews.replace``), then those the records lack
-    dropped. A RocksDB iterator reads one
-    snapshot, so writes to the file between steps do not change what is loaded; the
-    caller must not apply events of this partition to ``state`` until the last step.
+    What the partition held before keeps answering until it is replaced: each LRU and
+    each engine view is swapped whole (``CacheState.replace_lru``,
+    ``EngineViews.replace``) as soon as its keys end (the store iterates in key order,
+    and a re-read gives each endpoint's keys together, so an endpoint's keys come
+    together and a step reads at most the slice plus one endpoint's records), then the
+    LRUs and views the records do not have are dropped; no step removes an entry the
+    records hold. Each LRU and view is ordered by the stored rank, whatever order the
+    records came in. A RocksDB iterator reads one snapshot, so writes to the file
+    between steps do not change what is loaded; the caller must not apply events of
+    this partition to ``state`` until the last step.
     """
     from_bytes = int.from_bytes
     applied: int | None = None
-    prefix, name, group = b"", "", []
+    kind, name, group = b"", "", []  # the run of keys being read: its kind and endpoint
+    prefix: bytes | None = None  # its keys' common start up to the hash (None: not known)
     hexed, loaded = False, 0
     names: set[str] = set()
-    views: Lrus = {}
+    views: set[str] = set()
 
     def replace() -> int:
         group.sort()
-        state.replace_lru(partition, name, [(d, from_bytes(v[12:16])) for v, d in group])
-        names.add(name)
-        return len(group)
+        entries = [(d, from_bytes(v[12:16])) for v, d in group]
+        if kind == _ENTRY:
+            state.replace_lru(partition, name, entries)
+            names.add(name)
+            return len(group)
+        state.engine.replace(partition, name, entries)
+        views.add(name)
+        return len(group) + 1  # and the view's own record
 
     for key, value in records:
-        if key[:1] != _ENTRY:
-            if key == APPLIED_KEY:
-                applied = decode_applied(value)
-            elif key[:1] == _ENGINE:
-                _add_engine_record(views, key, value)
-            continue
-        if not group or not key.startswith(prefix):
-            at, hexed = _split_entry_key(key)
-            prefix, after = key[:at + 1], key[1:at].decode()
-            if after != name or not group:  # an endpoint's hex and text hashes sort apart
-                if group:
+        if prefix is None or not key.startswith(prefix):
+            first = key[:1]
+            if first != _ENTRY and first != _ENGINE:
+                if key == APPLIED_KEY:
+                    applied = decode_applied(value)
+                continue
+            split = _SEPARATOR.search(key, 1)
+            at = len(key) if split is None else split.start()  # no separator: a view's own key
+            hexed = key[at:at + 1] == _HEX
+            after = key[1:at].decode()
+            if first != kind or after != name:  # an endpoint's hex and text hashes sort apart
+                if kind:
                     loaded += replace()
-                    group = []
                     if loaded >= entries_per_slice:
                         yield loaded
                         loaded = 0
-                name = after
+                kind, name, group = first, after, []
+            if split is None:
+                prefix = None
+                continue
+            prefix = key[:at + 1]
         raw = key[len(prefix):]
         group.append((value, raw.hex() if hexed else raw.decode()))
-    if group:
+    if kind:
         loaded += replace()
-    for endpoint, pairs in views.items():  # the engine views, after every LRU
-        pairs.sort()
-        state.engine.replace(partition, endpoint, [(d, from_bytes(v[12:16])) for v, d in pairs])
-        loaded += len(pairs) + 1
-        if loaded >= entries_per_slice:
-            yield loaded
-            loaded = 0
     yield loaded
     yield from state.drop_partition_except_in_slices(partition, names, entries_per_slice,
-                                                     keep_engine=set(views))
+                                                     keep_engine=views)
     state.set_applied(partition, applied)
 
 

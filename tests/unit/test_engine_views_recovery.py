@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.core.cache import CacheState
+from stream.core.cache import CacheState, Capacity
 from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.core.events import Position
 from stream.datadir import DataDir, StateMismatch
@@ -25,6 +25,8 @@ from stream.rebuild import seed_records, write_state
 from stream.store import (
     APPLIED_KEY,
     ChangelogGate,
+    endpoint_records,
+    engine_records,
     load_partition_in_slices,
 )
 from stream.view_load import load_partition_into_view
@@ -158,3 +160,48 @@ def test_a_dir_loads_with_the_bound_it_was_folded_with(tmp_path):
     state.apply(report("e", stored("d")), Position(0, 1))
     assert list(loaded.engine.views["e"].entries) == list(state.engine.views["e"].entries) == ["c", "d"]
     assert loaded.digest() == state.digest()
+
+
+# -- 3. a reload or re-read turns the loop within engine records too -------------------------
+
+
+def per_step(records: list[tuple[bytes, bytes]], state: CacheState, per_slice: int) -> list[int]:
+    """How many records ``load_partition_in_slices`` reads in each of its steps."""
+    pulled = 0
+
+    def counted():
+        nonlocal pulled
+        for record in records:
+            pulled += 1
+            yield record
+
+    steps, before = [], 0
+    for _ in load_partition_in_slices(state, 0, counted(), per_slice):
+        steps.append(pulled - before)
+        before = pulled
+    return steps
+
+
+@pytest.mark.parametrize("source", ["store", "re-read"])
+def test_no_step_of_a_load_reads_more_than_a_slice_and_one_endpoint(source):
+    """50 endpoints, each an LRU of 8 and a view of 40 (with hex and text hashes): a step
+    reads at most the slice, one endpoint's records and the one that ends its run."""
+    hashes = [f"{i:064x}" if i % 2 else f"h{i}" for i in range(40)]
+    records = []
+    for e in range(50):
+        records += endpoint_records(f"ns/pod-{e}", [(h, 1) for h in hashes[:8]])
+        records += engine_records(f"ns/pod-{e}", [(h, 2) for h in hashes])
+    records.append((APPLIED_KEY, b"\x00" * 7 + b"\x09"))
+    records.sort()
+    if source == "re-read":
+        reread = Reread()
+        for key, value in records:
+            reread.add(key, value)
+        records = list(reread.records())
+    state = CacheState(Capacity("items", 8), 40)
+    steps = per_step(records, state, 32)
+    assert sum(steps) == len(records)
+    assert max(steps) <= 32 + 41 + 2  # the slice, one view and its own record, the next key, the applied one
+    assert len(state.engine.views) == 50 and len(state.endpoints) == 50
+    assert list(state.engine.views["ns/pod-7"].entries) == hashes  # ranked as stored
+    assert state.applied == {0: 9}
