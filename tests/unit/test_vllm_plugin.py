@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from stream.bodies import ApiError, engine_events
+from stream.config import Limits
 from tests.unit.vllm_scheduler import (
     ENDPOINT,
     LOGGER_NAME,
@@ -46,11 +48,16 @@ class Recorder:
     """Records every POST. ``answer`` is the status it gives; while ``hold`` is clear it
     hangs each POST until the hold is set, then answers 503 (the plugin gave up on it
     long before, and nothing of it was applied). While ``gate`` is clear a POST waits
-    for it and is then taken as usual (``arrived`` counts the POSTs that came)."""
+    for it and is then taken as usual (``arrived`` counts the POSTs that came).
+    ``reader`` (the service's own, e.g. ``stream.bodies.engine_events`` with some
+    ``Limits``) checks each body first: what it refuses gets its status and error body.
+    While ``redirect_to`` is set, every POST is answered 302 to that URL."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, reader: Callable[[bytes], Any] | None = None) -> None:
         self.posts: list[Post] = []
         self.answer = 202
+        self.reader = reader
+        self.redirect_to: str | None = None
         self.hold = threading.Event()
         self.hold.set()
         self.gate = threading.Event()
@@ -61,7 +68,8 @@ class Recorder:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.loads(raw)
                 recorder.arrived += 1
                 recorder.gate.wait(60)
                 held = not recorder.hold.is_set()
@@ -70,12 +78,22 @@ class Recorder:
                         recorder.posts.append(Post(dict(self.headers), body, 0))
                     recorder.hold.wait(60)
                 status = 503 if held else recorder.answer
+                answer = b"{}" if status == 202 else b'{"error": {"code": "log_unavailable", "message": "x"}}'
+                if not held and recorder.redirect_to is not None:
+                    status, answer = 302, b""
+                elif not held and status == 202 and recorder.reader is not None:
+                    try:
+                        recorder.reader(raw)
+                    except ApiError as exc:
+                        status = exc.status
+                        answer = json.dumps({"error": {"code": exc.code, "message": exc.message}}).encode()
                 if not held:
                     with recorder.lock:
                         recorder.posts.append(Post(dict(self.headers), body, status))
-                answer = b"{}" if status == 202 else b'{"error": {"code": "log_unavailable", "message": "x"}}'
                 try:
                     self.send_response(status)
+                    if status == 302:
+                        self.send_header("Location", recorder.redirect_to or "")
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(answer)))
                     self.end_headers()
@@ -365,7 +383,7 @@ def test_an_error_inside_the_plugin_is_caught_counted_and_resynced(recorder, mak
     assert manager.reporter.counters().errors == 1
     manager._modalities = {}
     manager.get_freed_mm_hashes()  # the end of the pass: the snapshot is taken
-    wait_for(lambda: recorder.view() == {"e": (10, None)})  # its modality was lost with the error
+    wait_for(lambda: recorder.view() == {"e": (10, "unknown")})  # its modality was lost with the error
     wait_for(lambda: manager.reporter.counters().resyncs == 1)
 
 
@@ -396,6 +414,173 @@ def test_unreportable_items_are_counted_not_sent(recorder, make_manager):
     wait_for(lambda: manager.reporter.counters().resyncs == 1, step=manager.get_freed_mm_hashes)
     assert recorder.view() == {"ok": (10, "image"), "later": (10, "image")}
     assert all(long_hash not in json.dumps(post.body) for post in recorder.posts)
+
+
+def test_an_exception_in_the_sender_counts_its_batch_unsent_and_resyncs(recorder, make_manager):
+    manager = make_manager(recorder.url, max_backoff_s=0.05)
+    wait_for(lambda: manager.reporter.counters().sent == 1)  # the start's cleared
+    post = manager.reporter._post
+    calls = []
+
+    def failing(batch):  # a bug in the sender, raised after the batch left the outbox
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the sender")
+        return post(batch)
+
+    manager.reporter._post = failing
+    scheduler = Scheduler(manager, 8)
+    for _ in range(30):
+        scheduler.step()
+    counters = wait_for(lambda: recorder.view() == scheduler.holdings() and resynced(manager),
+                        step=scheduler.idle_pass)
+    assert calls[0] >= 1 and counters.errors == 1 and counters.posts_failed == 0  # no POST went out
+    counters = wait_for(lambda: (c := manager.reporter.counters()).sent + c.unsent == c.queued and c,
+                        step=scheduler.idle_pass)
+    assert counters.unsent >= calls[0]
+
+
+# -- what mmcache refuses: never the same content again, never forever ------------------
+
+
+def test_a_redirect_is_a_failed_post_and_the_token_never_leaves(recorder, make_manager, tmp_path):
+    """An auth proxy in front of mmcache answering 302 to a login page on another host:
+    urllib's default opener would follow it with a GET carrying the token, and count
+    its 200 as delivered."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Login(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    login = ThreadingHTTPServer(("127.0.0.1", 0), Login)
+    threading.Thread(target=login.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        recorder.redirect_to = f"http://localhost:{login.server_address[1]}/login"
+        token = "s3cret-" + "9" * 20
+        manager = make_manager(recorder.url, token_file=token_file(tmp_path, token + "\n"), max_backoff_s=0.05)
+        scheduler = Scheduler(manager, 9)
+        counters = wait_for(lambda: (c := manager.reporter.counters()).posts_failed >= 3 and c, step=scheduler.step)
+        assert seen == [] and counters.posts_ok == 0 and counters.sent == 0 and counters.resync_pending
+        recorder.redirect_to = None
+        wait_for(lambda: recorder.view() == scheduler.holdings() and resynced(manager), step=scheduler.idle_pass)
+        assert seen == []
+    finally:
+        login.shutdown()
+        login.server_close()
+
+
+def test_an_answer_other_than_202_is_a_failed_post(recorder, make_manager):
+    recorder.answer = 200  # not what mmcache answers: something else took the POST
+    manager = make_manager(recorder.url, max_backoff_s=0.05)
+    scheduler = Scheduler(manager, 10)
+    counters = wait_for(lambda: (c := manager.reporter.counters()).posts_failed >= 2 and c, step=scheduler.step)
+    assert counters.sent == 0 and counters.resync_pending
+    recorder.answer = 202
+    wait_for(lambda: recorder.view() == scheduler.holdings() and resynced(manager), step=scheduler.idle_pass)
+
+
+def service_reader(**limits: Any) -> Callable[[bytes], Any]:
+    """The service's own reader of ``POST /v1/engine-events``, with these limits."""
+    checked = Limits(**limits)
+    return lambda raw: engine_events(raw, checked)
+
+
+def test_a_modality_the_service_would_refuse_is_sent_as_unknown(make_manager):
+    service = Recorder(reader=service_reader())
+    try:
+        manager = make_manager(service.url, max_backoff_s=0.05)
+        request = make_request("r1", [("ok", 10, "image"), ("long", 10, "m" * 65), ("empty", 10, "")])
+        for i in range(3):
+            manager.can_allocate(request, i, 1000, 0)
+            manager.allocate(request, i)
+        manager.get_freed_mm_hashes()
+        wait_for(lambda: service.view() == {"ok": (10, "image"), "long": (10, "unknown"), "empty": (10, "unknown")})
+        counters = manager.reporter.counters()
+        assert (counters.posts_failed, counters.refused, counters.unreportable) == (0, 0, 0)
+        assert all(post.status == 202 for post in service.posts)
+    finally:
+        service.close()
+
+
+def under_6000_bytes(raw: bytes) -> None:
+    """A service whose producer takes records of at most 6,000 bytes."""
+    if len(raw) >= 6000:
+        raise ApiError(413, "event_too_large", "the event is over the producer's max_request_size")
+
+
+@pytest.mark.parametrize("reader", [
+    pytest.param(service_reader(max_items=256), id="max_items"),  # MMCACHE_MAX_ITEMS below batch_size
+    pytest.param(under_6000_bytes, id="event_too_large"),
+])
+def test_a_batch_over_the_services_limits_is_split_until_taken(make_manager, caplog, reader):
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    service = Recorder(reader=reader)
+    try:
+        manager = make_manager(service.url, cache_size=10**6, max_backoff_s=0.05)  # batch_size 512
+        wait_for(lambda: manager.reporter.counters().sent == 1)  # the start's cleared
+        for n in range(300):  # one pass
+            manager.allocate(make_request(f"r{n}", [(f"k{n}", 1 + n % 7, "image")]), 0)
+        manager.get_freed_mm_hashes()
+        expected = {f"k{n}": (1 + n % 7, "image") for n in range(300)}
+        counters = wait_for(lambda: service.view() == expected
+                            and (c := manager.reporter.counters()).sent == c.queued and c)
+        assert counters.refused == 0 and counters.resync_pending is False and counters.posts_failed >= 1
+        refusals = [post for post in service.posts if post.status in (400, 413)]
+        assert refusals and len(service.posts) - len(refusals) < 40  # split, never re-sent whole
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert errors and all("batch" in r.getMessage() for r in errors)
+
+        service.answer = 503  # a loss: the resync, over the limit too, is split the same way
+        manager.allocate(make_request("later", [("later", 3, "audio")]), 0)
+        wait_for(lambda: manager.reporter.counters().posts_failed > counters.posts_failed)
+        service.answer = 202
+        expected["later"] = (3, "audio")
+        counters = wait_for(lambda: service.view() == expected and resynced(manager),
+                            step=manager.get_freed_mm_hashes)
+        assert counters.refused == 0
+    finally:
+        service.close()
+
+
+def test_an_item_refused_even_alone_is_dropped_counted_and_logged(make_manager, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    service = Recorder(reader=service_reader(max_hash_chars=8))  # a limit the plugin cannot know
+    try:
+        service.gate.clear()
+        manager = make_manager(service.url, batch_size=4, max_backoff_s=0.05)
+        wait_for(lambda: service.arrived == 1)  # the start's cleared waits: the rest goes in batches of 4
+        for n, digest in enumerate(("a1", "a2", "too-long-hash", "a3", "a4", "a5")):
+            request = make_request(f"r{n}", [(digest, 5, "image")])
+            manager.can_allocate(request, 0, 1000, 0)
+            manager.allocate(request, 0)
+        manager.get_freed_mm_hashes()
+        service.gate.set()
+        expected = {digest: (5, "image") for digest in ("a1", "a2", "a3", "a4", "a5")}
+        counters = wait_for(lambda: service.view() == expected
+                            and (c := manager.reporter.counters()).sent + c.unsent == c.queued and c)
+        assert counters.refused == 1 and counters.unsent == 1 and counters.dropped == 1
+        assert not counters.resync_pending
+        refused = [post for post in service.posts if "too-long-hash" in json.dumps(post.body)]
+        assert [post.status for post in refused] == [400, 400, 400]  # 4 items, 2, then alone: once each
+        assert any(r.levelno == logging.ERROR and "refused" in r.getMessage() for r in caplog.records)
+
+        later = make_request("r9", [("a6", 5, "image")])  # the rest goes on
+        manager.can_allocate(later, 0, 1000, 0)
+        manager.allocate(later, 0)
+        expected["a6"] = (5, "image")
+        wait_for(lambda: service.view() == expected)
+    finally:
+        service.close()
 
 
 # -- the token and the logs -------------------------------------------------------------

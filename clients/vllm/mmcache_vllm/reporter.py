@@ -7,8 +7,12 @@ Two threads, no lock between them:
   item is dropped and counted.
 - A daemon sender thread wakes every ``interval_s``, takes up to ``batch_size`` items at
   a time, folds runs of one type into one event and POSTs them with a short timeout.
-  A POST that fails (refused, timed out, any answer but 2xx) loses its items; they are
-  counted, never retried.
+  A POST that fails (refused, timed out, redirected, any answer but 202) loses its
+  items; they are counted, never retried.
+- A 400 or 413 is the one exception: the service read the whole body and applied
+  nothing, and sending it again would be refused again. The same items go again in
+  POSTs of half the size, from then on; an item refused even alone is dropped and
+  counted (``refused``), and the rest goes on. Nothing is lost, so no resync follows.
 
 Once anything was lost, mmcache's view of this server is wrong until it is rebuilt, so
 the reporter *resyncs*: the sender asks for a snapshot (after a back-off that doubles on
@@ -32,6 +36,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from .config import ReporterConfig
 
@@ -44,6 +49,10 @@ log = logging.getLogger(LOGGER_NAME)
 MAX_HASH_CHARS = 256
 MAX_MODALITY_CHARS = 64
 MAX_SIZE = 2**31 - 1
+# what a stored item says when its feature has no modality the service takes
+UNKNOWN_MODALITY = "unknown"
+# of an answer's body, at most this much is read: the status says what happened
+MAX_ANSWER_BYTES = 4096
 
 Item = tuple[str, int, "str | None"]
 """One cache entry as the service takes it: (hash, size in embeddings, modality)."""
@@ -67,10 +76,12 @@ class Counters:
 
     - Each report is one of ``queued``, ``dropped_queue_full`` or ``unreportable`` (a hash
       over 256 characters, a size outside 1 to 2^31-1: the service would refuse it).
-    - What was queued is ``sent`` (mmcache answered 2xx), ``unsent`` (its POST failed, or a
+    - What was queued is ``sent`` (mmcache answered 202), ``unsent`` (its POST failed, or a
       snapshot superseded it) or still on its way.
     - ``resynced``: snapshot items delivered (``cleared`` and ``stored`` for each);
       ``resyncs``: snapshots delivered whole.
+    - ``refused``: items mmcache refused (400 or 413) even in a POST of their own, from
+      the queue (also counted ``unsent``) or from a snapshot; they were dropped.
     - ``errors``: exceptions caught inside the plugin, on either thread.
     """
 
@@ -80,6 +91,7 @@ class Counters:
     sent: int
     unsent: int
     resynced: int
+    refused: int
     posts_ok: int
     posts_failed: int
     resyncs: int
@@ -119,6 +131,7 @@ class EngineEventReporter:
         self._sent = 0
         self._unsent = 0
         self._resynced = 0
+        self._refused = 0
         self._posts_ok = 0
         self._posts_failed = 0
         self._resyncs = 0
@@ -129,13 +142,19 @@ class EngineEventReporter:
         self._retry_at = 0.0
         self._resync_left = 0  # items of the snapshot being sent, still to send
         self._outbox: deque[tuple] = deque()
+        self._in_flight: list[tuple] = []  # the batch taken from the outbox, until accounted for
+        self._batch_size = config.batch_size  # halved by each 400 or 413 of several items
+        self._smallest_told = config.batch_size
+        self._refusal_logged_at = -float("inf")
         self._logged_at = -float("inf")
         self._told_failure = False  # a failure was logged and its end not yet
         self._reported_errors = 0
         self._headers = {"Content-Type": "application/json"}
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
-        self._ssl = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
+        context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
+        self._opener = urllib.request.build_opener(_RefuseRedirects(),
+                                                   urllib.request.HTTPSHandler(context=context))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmcache-vllm-reporter", daemon=True)
 
@@ -195,6 +214,7 @@ class EngineEventReporter:
         return Counters(
             queued=self._queued, dropped_queue_full=self._dropped_queue_full,
             unreportable=self._unreportable, sent=self._sent, unsent=self._unsent, resynced=self._resynced,
+            refused=self._refused,
             posts_ok=self._posts_ok, posts_failed=self._posts_failed, resyncs=self._resyncs,
             errors=self._scheduler_errors + self._sender_errors, queue_length=len(self._queue),
             resync_pending=self._lost or self._dirty or self._resync_left > 0
@@ -221,8 +241,8 @@ class EngineEventReporter:
                 more = self._step()
             except Exception as exc:  # a bug here must not kill the thread
                 self._sender_errors += 1
-                self._lose(len(self._outbox) - self._resync_left, f"{type(exc).__name__}: {exc}",
-                           posted=False)
+                self._lose(len(self._outbox) + len(self._in_flight) - self._resync_left,
+                           f"{type(exc).__name__}: {exc}", posted=False)
                 more = False
             if not more:
                 self._stop.wait(self.config.interval_s)
@@ -238,16 +258,21 @@ class EngineEventReporter:
             return False
         if not self._outbox:
             return False
-        batch = [self._outbox.popleft() for _ in range(min(self.config.batch_size, len(self._outbox)))]
-        from_snapshot = min(self._resync_left, len(batch))
-        try:
-            failure = self._post(batch)
-        except Exception as exc:
-            self._sender_errors += 1
-            failure = f"{type(exc).__name__}: {exc}"
-        if failure is not None:
-            self._lose(len(batch) + len(self._outbox) - self._resync_left, failure, posted=True)
+        batch = [self._outbox.popleft() for _ in range(min(self._batch_size, len(self._outbox)))]
+        self._in_flight = batch
+        status, reason = self._post(batch)  # an exception here: _run counts the batch in flight
+        self._in_flight = []
+        if status in (400, 413):
+            self._refused_batch(batch, reason)
+        elif status != 202:
+            self._lose(len(batch) + len(self._outbox) - self._resync_left, reason, posted=True)
             return False
+        else:
+            self._delivered(batch)
+        return bool(self._outbox or self._queue)
+
+    def _delivered(self, batch: list[tuple]) -> None:
+        from_snapshot = min(self._resync_left, len(batch))
         self._posts_ok += 1
         self._sent += len(batch) - from_snapshot
         self._resynced += from_snapshot
@@ -261,14 +286,42 @@ class EngineEventReporter:
             self._resync_left -= from_snapshot
             if not self._resync_left:
                 self._resyncs += 1
-        return bool(self._outbox or self._queue)
+
+    def _refused_batch(self, batch: list[tuple], reason: str) -> None:
+        """The service read the whole batch and applied none of it (a limit, or an item it
+        does not take): several items go back to the outbox's front, to be sent again in
+        batches of half the size; one item alone is dropped. The view stays exact but
+        for dropped items, so no resync is due."""
+        self._posts_failed += 1
+        if len(batch) > 1:
+            self._outbox.extendleft(reversed(batch))
+            self._batch_size = max(1, min(self._batch_size, len(batch) // 2))
+            if self._batch_size < self._smallest_told:
+                self._smallest_told = self._batch_size
+                self._say(logging.ERROR, f"mmcache-vllm: {self.config.events_url} refused a batch of "
+                          f"{len(batch)} items ({reason}); sending them again, at most {self._batch_size} "
+                          "per POST (check the service's MMCACHE_MAX_ITEMS and batch_size)")
+            return
+        self._refused += 1
+        if self._resync_left:
+            self._resync_left -= 1
+            if not self._resync_left:
+                self._resyncs += 1
+        else:
+            self._unsent += 1
+        self._batch_size = self.config.batch_size  # that item was refused, not the batch's size
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= self.config.log_interval_s:
+            self._refusal_logged_at = now
+            self._say(logging.ERROR, f"mmcache-vllm: {self.config.events_url} refused an item even alone "
+                      f"({reason}); dropped, the view lacks it ({self._refused} refused so far)")
 
     def _take(self) -> None:
         """Moves queued items to the outbox, up to one batch; while items are lost, drops
         everything until a snapshot comes, which supersedes what came before it. The
         snapshot's own items (``cleared``, then ``stored`` for each) are the first
         ``_resync_left`` of the outbox."""
-        while self._lost or len(self._outbox) < self.config.batch_size:
+        while self._lost or len(self._outbox) < self._batch_size:
             try:
                 entry = self._queue.popleft()
             except IndexError:
@@ -292,6 +345,7 @@ class EngineEventReporter:
         self._posts_failed += posted
         self._unsent += unsent
         self._outbox.clear()
+        self._in_flight = []
         self._resync_left = 0
         self._lost = True
         self._asked = False
@@ -302,25 +356,29 @@ class EngineEventReporter:
         self._warn(f"mmcache-vllm: events not delivered to {self.config.events_url}: {reason}; "
                    f"{self.counters().dropped} items dropped so far, resyncing when it answers again")
 
-    def _post(self, batch: list[tuple]) -> str | None:
-        """POSTs one batch; None when mmcache took it, else why not (never the token)."""
+    def _post(self, batch: list[tuple]) -> tuple[int | None, str]:
+        """POSTs one batch: the answer's status (None without one) and what it said
+        (never the token). Only 202 means mmcache took it."""
         body = json.dumps({"endpoint": self.config.endpoint, "engine": "vllm", "events": _events(batch)},
                           separators=(",", ":")).encode()
         request = urllib.request.Request(self.config.events_url, data=body, headers=self._headers,
                                          method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s, context=self._ssl) as answer:
-                answer.read()
-                return None
+            with self._opener.open(request, timeout=self.config.timeout_s) as answer:
+                answer.read(MAX_ANSWER_BYTES)
+                status = answer.status
+                return status, f"HTTP {status}" if status == 202 else f"HTTP {status}, not mmcache's 202"
         except urllib.error.HTTPError as exc:
+            if 300 <= exc.code < 400:
+                return exc.code, f"HTTP {exc.code} to {exc.headers.get('Location')!r}, not followed"
             try:
                 detail = exc.read(300).decode(errors="replace").strip()
             except Exception:  # the answer was cut off: its status says enough
                 detail = ""
-            return f"HTTP {exc.code} {detail}".strip()
+            return exc.code, f"HTTP {exc.code} {detail}".strip()
         except Exception as exc:  # refused, reset, timed out, bad status line, TLS
             reason = getattr(exc, "reason", None)
-            return f"{type(exc).__name__}: {reason if reason is not None else exc}"
+            return None, f"{type(exc).__name__}: {reason if reason is not None else exc}"
 
     def _log_errors(self) -> None:
         if self._scheduler_errors != self._reported_errors:
@@ -335,9 +393,21 @@ class EngineEventReporter:
             return
         self._logged_at = now
         self._told_failure = True
+        self._say(logging.WARNING, message)
+
+    def _say(self, level: int, message: str) -> None:
         if self.config.token:
             message = message.replace(self.config.token, "***")
-        log.warning(message)
+        log.log(level, message)
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is an answer, not a place to go: following it re-sends the token to another
+    host as a GET without the events, and that host's 2xx would count them delivered.
+    Returning no request makes urllib raise the 3xx as an HTTPError."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        return None
 
 
 def _reportable(mm_hash: object) -> bool:
@@ -351,9 +421,11 @@ def _acceptable(mm_hash: object, size: object) -> bool:
 
 
 def _stored(mm_hash: str, size: int, modality: object) -> tuple:
-    """A stored item, its modality left out unless it is one the service takes."""
+    """A stored item. The service requires a modality of at most 64 characters; one it
+    would refuse (none, empty, longer, not a string) is sent as ``unknown``, which
+    changes nothing: the engine view names an item by its hash."""
     if not (isinstance(modality, str) and 0 < len(modality) <= MAX_MODALITY_CHARS):
-        modality = None
+        modality = UNKNOWN_MODALITY
     return ("s", mm_hash, size, modality)
 
 
@@ -364,9 +436,7 @@ def _events(batch: list[tuple]) -> list[dict]:
         kind = entry[0]
         last = events[-1] if events else None
         if kind == "s":
-            item = {"hash": entry[1], "size": entry[2]}
-            if entry[3] is not None:
-                item["modality"] = entry[3]
+            item = {"hash": entry[1], "size": entry[2], "modality": entry[3]}
             if last is not None and last["type"] == "stored":
                 last["items"].append(item)
             else:
