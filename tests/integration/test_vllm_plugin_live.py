@@ -46,6 +46,15 @@ def trace_items(scheduler: Scheduler) -> list[dict[str, Any]]:
     return [{"hash": digest, "size": size, "modality": modality} for digest, size, modality in scheduler.items]
 
 
+def settled(manager: MmcacheEncoderCacheManager, scheduler: Scheduler) -> Any:
+    """The counters once everything queued was sent or given up (a 503 on a busy machine
+    loses a batch, which a resync makes good) and no resync is owed, else None. Ends a
+    scheduling pass first: that is where a resync's snapshot is taken."""
+    scheduler.idle_pass()
+    counters = manager.reporter.counters()
+    return counters if counters.sent + counters.unsent == counters.queued and not counters.resync_pending else None
+
+
 def start(make_service, tmp_path, **settings: Any) -> tuple[Any, str, MmcacheEncoderCacheManager]:
     token = "it-vllm-" + uuid.uuid4().hex
     tokens = tmp_path / "tokens"
@@ -73,9 +82,8 @@ def test_match_answers_from_what_vllms_cache_holds(make_service, tmp_path):
         assert call("POST", service.url + "/v1/placements", token,
                     {"request_id": "r-all", "endpoints": [ENDPOINT], "items": items})[0] == 202
 
-        counters = eventually(lambda: (c := manager.reporter.counters()).sent == c.queued
-                              and not c.resync_pending and c, timeout=60)
-        assert (counters.errors, counters.unreportable) == (0, 0)  # a 503 on a busy machine is resynced
+        counters = eventually(lambda: settled(manager, scheduler), timeout=60)
+        assert (counters.errors, counters.unreportable, counters.refused) == (0, 0, 0)
         assert counters.posts_ok >= 2
 
         source, hits = eventually(lambda: (answer := engine_hits(service, items))[1].keys() == expected.keys()
@@ -102,7 +110,7 @@ def test_a_service_back_from_a_stop_gets_the_view_by_resync(make_service, tmp_pa
         scheduler = Scheduler(manager, seed=22)
         for _ in range(150):
             scheduler.step()
-        eventually(lambda: (c := manager.reporter.counters()).sent == c.queued and c, timeout=60)
+        eventually(lambda: settled(manager, scheduler), timeout=60)
         before = scheduler.holdings()
         service.stop()
         for _ in range(250):  # the engine goes on: evictions and new entries mmcache misses
