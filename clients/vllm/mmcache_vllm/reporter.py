@@ -314,7 +314,7 @@ class EngineEventReporter:
         if now - self._refusal_logged_at >= self.config.log_interval_s:
             self._refusal_logged_at = now
             self._say(logging.ERROR, f"mmcache-vllm: {self.config.events_url} refused an item even alone "
-                      f"({reason}); dropped, the view lacks it ({self._refused} refused so far)")
+                      f"({reason}); dropped, the view misses that change ({self._refused} refused so far)")
 
     def _take(self) -> None:
         """Moves queued items to the outbox, up to one batch; while items are lost, drops
@@ -370,7 +370,8 @@ class EngineEventReporter:
                 return status, f"HTTP {status}" if status == 202 else f"HTTP {status}, not mmcache's 202"
         except urllib.error.HTTPError as exc:
             if 300 <= exc.code < 400:
-                return exc.code, f"HTTP {exc.code} to {exc.headers.get('Location')!r}, not followed"
+                location = str(exc.headers.get("Location"))[:200]
+                return exc.code, f"HTTP {exc.code} to {location!r}, not followed"
             try:
                 detail = exc.read(300).decode(errors="replace").strip()
             except Exception:  # the answer was cut off: its status says enough
