@@ -1,11 +1,15 @@
 """mmcache-vllm against a live `serve`: vLLM's own encoder cache manager (from its wheel),
 driven through a seeded scheduler-like trace with evictions, reports to the service with
 a write token; then /v1/match answers that endpoint from what the manager holds (its
-engine view), not from the estimate the placements built, and nothing it evicted."""
+engine view), not from the estimate the placements built, and nothing it evicted; the
+estimate's checks against that view are counted, and `rebuild` gives the live digest."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -40,6 +44,12 @@ def engine_hits(service, items: list[dict[str, Any]]) -> tuple[str, dict[str, in
     assert status == 200, body
     entry = body["endpoints"][0]
     return entry["source"], {item["hash"]: item["size"] for item in entry["matched_items"]}
+
+
+def estimate_checks(service) -> dict[str, float]:
+    text = service.get("/metrics")[1]
+    return {outcome: float(value) for outcome, value in
+            re.findall(r'^mmcache_estimate_checks_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def trace_items(scheduler: Scheduler) -> list[dict[str, Any]]:
@@ -97,6 +107,25 @@ def test_match_answers_from_what_vllms_cache_holds(make_service, tmp_path):
         view = next(v for v in state["engine_views"] if v["endpoint"] == ENDPOINT)
         assert view == {"endpoint": ENDPOINT, "items": len(expected),
                         "weight": sum(size for size, _ in expected.values())}
+
+        # one more match, checked item by item: the estimate (every trace item placed, within
+        # its default 1,024 items) against the view the plugin filled
+        assert len(items) <= 1024
+        before = estimate_checks(service)
+        engine_hits(service, items)
+        after = estimate_checks(service)
+        delta = {outcome: after.get(outcome, 0) - before.get(outcome, 0)
+                 for outcome in ("true_hit", "false_hit", "missed_hit", "true_miss")}
+        assert delta == {"true_hit": len(expected), "false_hit": len(items) - len(expected),
+                         "missed_hit": 0, "true_miss": 0}
+
+        # the log replayed offline gives the live state, engine view included
+        live = call("GET", service.url + "/v1/state?limit=0", token)[1]["digest"]
+        done = subprocess.run([sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers",
+                               service.bootstrap, "--data-dir", str(tmp_path / "rebuilt"), "--app-id",
+                               service.app_id], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1] == live
         assert token not in service.tail()
     finally:
         manager.reporter.stop(5)
