@@ -266,11 +266,18 @@ def _serve(args: argparse.Namespace) -> None:
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog))
         if resolved.capacity_source == "default":
-            log.warning("capacity is the Go plugin's default guess (%d items per endpoint), far "
-                        "more than a vLLM encoder cache holds (encoder_cache_size embeddings, "
-                        "8,192 by default on H100-class GPUs: a handful of images); set "
-                        "--cache-size-embeddings-per-server to it when items carry sizes "
-                        "(README, 'Is the signal any good?')", settings.capacity.per_endpoint)
+            log.warning(
+                "capacity is the Go plugin's default guess (%d items per endpoint). A vLLM "
+                "server keeps an item in three caches of different sizes; size the index to "
+                "the one you route for. Processor cache (mm_processor_cache_gb, 4 GiB by "
+                "default, about 380 images of 1,200 embeddings): "
+                "--cache-size-embeddings-per-server 456522 when items carry sizes (4 GiB / "
+                "9,408 bytes per Qwen2-VL image embedding), else --cache-size-mb-per-server 760. "
+                "Encoder cache (the encoder_cache_size vLLM logs at start, 8,192 embeddings on "
+                "H100-class GPUs: a handful of images): --cache-size-embeddings-per-server that "
+                "when items carry sizes. Prefix cache (KV blocks): no capacity of the index "
+                "predicts it. 'mmcache tune' replays your log against each layer and says which "
+                "to size for (docs/simulation.md)", settings.capacity.per_endpoint)
         if datadir.seed.exists():
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
