@@ -144,12 +144,20 @@ def effect_records(effects: Effects, applied_offset: int) -> Iterator[tuple[byte
     """
     for entry in effects.upserts:
         yield entry_key(entry.endpoint, entry.hash), encode_entry(entry)
+    named, prefix = None, b""  # an endpoint's key prefix, made once for a run of its changes
     for endpoint, digest in effects.removals:
-        yield entry_key(endpoint, digest), None
+        if endpoint is not named:
+            named, prefix = endpoint, _ENTRY + endpoint.encode()
+        yield prefix + _hash_bytes(digest), None
     pack = _VALUE.pack
-    for change in effects.engine:
-        yield (engine_key(change.endpoint, change.hash),
-               None if change.size is None else pack(change.offset, change.index, change.size))
+    named = None
+    for endpoint, digest, size, offset, index, removed in effects.engine:
+        if endpoint is not named:
+            named, prefix = endpoint, _ENGINE + endpoint.encode()
+        for taken in removed:
+            yield prefix + _hash_bytes(taken), None
+        yield (prefix if digest is None else prefix + _hash_bytes(digest),
+               None if size is None else pack(offset, index, size))
     yield APPLIED_KEY, encode_applied(applied_offset)
 
 

@@ -40,6 +40,8 @@ __all__ = ["DIGEST_MARK", "ENGINE_VIEW_ENTRIES", "EngineChange", "EngineView", "
 #: holds at most this many items even when every item is one embedding.
 ENGINE_VIEW_ENTRIES = 8192
 
+_new_tuple = tuple.__new__
+
 #: Prefix of an engine view's name among the state digest's parts.
 DIGEST_MARK = "\x04"
 
@@ -56,13 +58,17 @@ class EngineView:
 class EngineChange(NamedTuple):
     """One durable change of an engine view, in the fold's order: an entry stored at
     ``(offset, index)`` with ``size``, or removed (``size`` None); with ``hash`` None,
-    the view itself, created at ``offset`` (``size`` 0) or dropped (``size`` None)."""
+    the view itself, created at ``offset`` (``size`` 0) or dropped (``size`` None), a
+    drop naming the entries it took out in ``removed`` (each one record, before the
+    view's own): one change for a whole view, not one per entry (a sync dropping 125
+    views of 1,024 built 128,000)."""
 
     endpoint: str
     hash: str | None
     size: int | None
     offset: int
     index: int
+    removed: tuple[str, ...] = ()
 
 
 class EngineViews:
@@ -104,10 +110,15 @@ class EngineViews:
                     if digest in entries:
                         held_before.setdefault(digest, True)
                         self._take_out(view, name, digest)
-            elif isinstance(fact, EngineCleared):
+            elif isinstance(fact, EngineCleared):  # up to max_entries: _release inlined
+                holders = self.holders
                 for digest in entries:
-                    held_before.setdefault(digest, True)
-                    self._release(digest, name)
+                    if digest not in held_before:
+                        held_before[digest] = True
+                    held_by = holders[digest]
+                    held_by.discard(name)
+                    if not held_by:
+                        del holders[digest]
                 entries.clear()
                 view.weight = 0
             else:
@@ -133,8 +144,8 @@ class EngineViews:
             if size is not None:
                 changes.append(EngineChange(name, digest, size, offset, at))
         for digest, held in held_before.items():
-            if held and digest not in entries:
-                changes.append(EngineChange(name, digest, None, offset, 0))
+            if held and digest not in entries:  # tuple.__new__: 2x faster than EngineChange()
+                changes.append(_new_tuple(EngineChange, (name, digest, None, offset, 0, ())))
 
     def drop(self, name: str, changes: list[EngineChange]) -> None:
         """Drop one endpoint's view (deleted or synced away), if it has one."""
@@ -142,10 +153,13 @@ class EngineViews:
         if view is None:
             return
         self._dirty.add(DIGEST_MARK + name)
+        holders = self.holders
         for digest in view.entries:
-            self._release(digest, name)
-            changes.append(EngineChange(name, digest, None, 0, 0))
-        changes.append(EngineChange(name, None, None, 0, 0))
+            held_by = holders[digest]
+            held_by.discard(name)
+            if not held_by:
+                del holders[digest]
+        changes.append(EngineChange(name, None, None, 0, 0, tuple(view.entries)))
 
     def stale(self, partition: int, live: set[str]) -> list[str]:
         """The views of ``partition`` whose endpoint is not in ``live``."""

@@ -205,3 +205,26 @@ def test_no_step_of_a_load_reads_more_than_a_slice_and_one_endpoint(source):
     assert len(state.engine.views) == 50 and len(state.endpoints) == 50
     assert list(state.engine.views["ns/pod-7"].entries) == hashes  # ranked as stored
     assert state.applied == {0: 9}
+
+
+# -- 4. a dropped view is one change, written as one record per entry ------------------------
+
+
+@pytest.mark.parametrize("drop", ["deleted", "synced away"])
+def test_a_dropped_view_is_one_change_whose_records_remove_each_entry_then_the_view(drop):
+    from stream.core.engine import EngineChange
+    from stream.core.events import EndpointDeleted, EndpointsSynced
+    from stream.store import effect_records, engine_key, write_effects
+
+    state, table = CacheState(CAPACITY, 8), {}
+    for offset, event in enumerate([report("e", stored("a", "9f" * 32, "c")), report("f", stored("a"))]):
+        write_effects(table, state.apply(event, Position(0, offset)), offset)
+    gone = EndpointDeleted(endpoint="e") if drop == "deleted" else EndpointsSynced(live=["f"])
+    effects = state.apply(gone, Position(0, 2))
+    assert effects.engine == [EngineChange("e", None, None, 0, 0, ("a", "9f" * 32, "c"))]
+    assert list(effect_records(effects, 2)) == [
+        (engine_key("e", "a"), None), (engine_key("e", "9f" * 32), None), (engine_key("e", "c"), None),
+        (engine_key("e"), None), (APPLIED_KEY, b"\x00" * 7 + b"\x02")]
+    write_effects(table, effects, 2)
+    assert sorted(table) == sorted([engine_key("f"), engine_key("f", "a"), APPLIED_KEY])
+    assert state.engine.holders == {"a": {"f"}}
