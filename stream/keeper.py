@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 from stream.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Effects
+from stream.core.events import EngineEventsReported, Event
 from stream.kafka.dead_letters import DeadLetter
 from stream.metrics import Metrics
 from stream.preload import LocalPreload
@@ -23,11 +24,26 @@ __all__ = ["APPLY_SLICE", "DeadLetterSink", "StateKeeper"]
 
 #: Records applied between two turns of the event loop (~25 us an event: a few ms).
 APPLY_SLICE = 128
+#: Store records (entries written or removed) after which a slice ends, with the event that
+#: reached it, whatever its count of events: 128 reports each clearing a full 8,192-entry
+#: engine view make 1M records (~1 s) in one slice of ``APPLY_SLICE`` events.
+APPLY_SLICE_RECORDS = 8192
 
 # the reasons the older ``mmcache_malformed_events_total`` counts too
 _MALFORMED = frozenset({"not_json", "bad_schema", "unknown_version"})
 
 log = logging.getLogger(__name__)
+
+
+def _record_count(effects: Effects, event: Event) -> int:
+    """How many store records one applied event makes, the applied offset's aside: one
+    per change, and one per entry of an engine view a deletion or a sync dropped (only
+    those carry ``removed``: a report's changes are not walked)."""
+    count = len(effects.upserts) + len(effects.removals) + len(effects.engine)
+    if not isinstance(event, EngineEventsReported):
+        for change in effects.engine:
+            count += len(change.removed)
+    return count
 
 
 class DeadLetterSink(Protocol):
@@ -74,24 +90,35 @@ class StateKeeper:
         """Apply one record of the event topic (``apply_batch`` of one)."""
         self.apply_batch(partition, [_Record(offset, key, raw)])
 
-    def apply_batch(self, partition: int, records: Iterable[Any]) -> None:
+    def apply_batch(self, partition: int, records: Iterable[Any],
+                    records_per_slice: int | None = None) -> int:
         """Apply fetched records (with ``offset``, ``key`` and ``value``) of one partition,
         in order; one that is not applied is dead-lettered, counted and skipped, its offset
         applied all the same. Applied and redelivered events are counted once a batch (a
-        labelled counter's increment per event was ~4% of the worker's ingest time)."""
+        labelled counter's increment per event was ~4% of the worker's ingest time).
+
+        Returns how many it took: all, or with ``records_per_slice`` those up to the one
+        whose store records (``stream.store.effect_records``) reached that many."""
         state, mirror, partitions = self.state, self.mirror, self.partitions
         applied: dict[str, int] = {}
-        redelivered = 0
+        redelivered = taken = made = 0
+        budget = records_per_slice
         try:
             for record in records:
+                taken += 1
                 offset = record.offset
                 outcome = fold_record(state, partition, offset, record.key, record.value, partitions)
                 if outcome is None:
                     redelivered += 1
                 elif type(outcome) is Applied:
-                    mirror.write(partition, outcome.effects, offset)
+                    effects = outcome.effects
+                    mirror.write(partition, effects, offset)
                     kind = outcome.event.type
                     applied[kind] = applied.get(kind, 0) + 1
+                    if budget is not None:
+                        made += _record_count(effects, outcome.event)
+                        if made >= budget:
+                            break
                 else:
                     self._reject(partition, record, outcome)
         finally:
@@ -99,14 +126,18 @@ class StateKeeper:
                 self.metrics.events.labels(kind).inc(count)
             if redelivered:
                 self.metrics.redelivered.inc(redelivered)
+        return taken
 
     async def apply_in_slices(self, partition: int, records: Sequence[Any]) -> None:
-        """``apply_batch`` of ``APPLY_SLICE`` records at a time, the loop turning in
-        between (a few ms a slice), so that requests never wait behind a large batch."""
-        for start in range(0, len(records), APPLY_SLICE):
+        """``apply_batch`` of ``APPLY_SLICE`` records at a time, or fewer when their store
+        records reach ``APPLY_SLICE_RECORDS``, the loop turning in between (a few ms a
+        slice), so that requests never wait behind a large batch."""
+        start = 0
+        while start < len(records):
             if start:
                 await asyncio.sleep(0)
-            self.apply_batch(partition, records[start:start + APPLY_SLICE])
+            start += self.apply_batch(partition, records[start:start + APPLY_SLICE],
+                                      APPLY_SLICE_RECORDS)
 
     def _reject(self, partition: int, record: Any, outcome: Rejected) -> None:
         """Dead-letter a record that is not applied, count it, and log the first ones."""

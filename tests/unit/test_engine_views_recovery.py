@@ -228,3 +228,48 @@ def test_a_dropped_view_is_one_change_whose_records_remove_each_entry_then_the_v
     write_effects(table, effects, 2)
     assert sorted(table) == sorted([engine_key("f"), engine_key("f", "a"), APPLIED_KEY])
     assert state.engine.holders == {"a": {"f"}}
+
+
+def test_a_slice_of_the_keepers_apply_ends_once_its_store_records_reach_the_bound(monkeypatch):
+    """Reports of 40 items each (41 records) and deletions of those views (41 records,
+    one change each): no slice makes more than the bound and the event that crossed it,
+    and the batch ends as one ``apply_batch`` of it would."""
+    from stream import keeper as keepers
+    from stream.codec import encode_event
+    from stream.core.events import EndpointDeleted
+    from stream.metrics import Metrics
+    from stream.table_mirror import MappingMirror
+
+    monkeypatch.setattr(keepers, "APPLY_SLICE_RECORDS", 100)
+    events = [report(f"ns/pod-{n}", stored(*(f"h{n}-{i}" for i in range(40)))) for n in range(30)]
+    events += [EndpointDeleted(endpoint=f"ns/pod-{n}") for n in range(30)]
+    records = [SimpleNamespace(offset=n, key=event.endpoint.encode(), value=encode_event(event))
+               for n, event in enumerate(events)]
+
+    def keeper() -> keepers.StateKeeper:
+        state = CacheState(CAPACITY, 64)
+        return keepers.StateKeeper(state, MappingMirror({0: {}}), Metrics(state, lambda: {}))
+
+    sliced, whole = keeper(), keeper()
+    assert whole.apply_batch(0, records) == len(records)
+
+    async def apply_while_ticking() -> list[int]:
+        seen, done = [], False
+
+        async def tick() -> None:
+            while not done:
+                seen.append(sliced.state.applied.get(0, -1))
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        await sliced.apply_in_slices(0, records)
+        done = True
+        await ticker
+        return seen
+
+    seen = asyncio.run(apply_while_ticking())
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+    assert max(steps) == 3 and len(steps) >= len(records) // 3 - 1  # 3 x 41 records reach 100
+    assert sliced.state.digest() == whole.state.digest()
+    assert sliced.mirror.stores == whole.mirror.stores
