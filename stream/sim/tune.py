@@ -43,7 +43,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.events import EndpointDeleted, EndpointsSynced, Event, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.sim.encoder import EncoderCache
-from stream.sim.processor import ProcessorCache
+from stream.sim.processor import DEFAULT_BYTES_PER_EMBEDDING, ProcessorCache, processed_bytes
 
 __all__ = ["DEFAULT_BYTES_PER_EMBEDDING", "DEFAULT_PROCESSOR_CACHE_GB", "GIB", "LAYERS", "MIN_REPEATS",
            "PREFIX_NOT_PREDICTED", "HitCosts", "ItemModel", "LayerAdvice", "LayerReplay", "NoRecommendation",
@@ -67,15 +67,6 @@ MIN_REPEATS = 400
 LAYERS = ("processor", "encoder", "prefix")
 GIB = 2**30
 DEFAULT_PROCESSOR_CACHE_GB = 4.0  # vLLM's mm_processor_cache_gb (vllm/config/multimodal.py)
-
-# Bytes of processed input per encoder embedding, by modality: Qwen2/2.5-VL in bf16 (vLLM
-# casts the processor's float tensors to the model's dtype). An image or video embedding
-# is one 2x2 merge of patches of 3 channels x 2 frames x 14 x 14 pixels: 4 x 1,176 values
-# x 2 bytes = 9,408; an audio embedding (Qwen2-Audio) is 4 frames of 128 mel bins x 2
-# bytes = 1,024. Other models differ (LLaVA-1.5: 3 x 336 x 336 x 2 bytes over 576
-# embeddings = 1,176 per image embedding; Qwen3-VL's 16-pixel patches: 12,288), hence
-# `tune --bytes-per-embedding`.
-DEFAULT_BYTES_PER_EMBEDDING: Mapping[str, int] = {"image": 9408, "video": 9408, "audio": 1024}
 
 PREFIX_NOT_PREDICTED = (
     "not predicted from this log. A placement records which items went to which server, "
@@ -138,9 +129,7 @@ class ItemModel:
 
     def nbytes(self, item: Item) -> int:
         """The bytes its processed input takes in the processor cache."""
-        per = self.bytes_per_embedding
-        image = per.get("image", DEFAULT_BYTES_PER_EMBEDDING["image"])
-        return self.embeddings(item) * per.get(item.modality, image)
+        return processed_bytes(self.embeddings(item), item.modality, self.bytes_per_embedding)
 
 
 @dataclass(frozen=True, slots=True)

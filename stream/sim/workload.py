@@ -30,25 +30,21 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from stream.core.items import Item
 from stream.sim.engine import Segment
+from stream.sim.processor import DEFAULT_BYTES_PER_EMBEDDING, processed_bytes
 
-__all__ = ["BYTES_PER_EMBEDDING", "Request", "SizeMix", "WorkloadSpec", "generate", "item_segment",
-           "requests_from_trace"]
-
-# Bytes of an item's processed input per encoder embedding, what the processor cache
-# counts: a Qwen2-VL-class processor emits, per merged embedding, 2x2 patches of
-# 3 channels x 2 frames x 14 x 14 pixels = 4,704 float32 values (an assumption: that the
-# cache keeps the processor's float32 output as it is).
-BYTES_PER_EMBEDDING = 4 * 3 * 2 * 14 * 14 * 4
+__all__ = ["Request", "SizeMix", "WorkloadSpec", "generate", "item_segment", "requests_from_trace"]
 
 
-def item_segment(item: Item, bytes_per_embedding: int = BYTES_PER_EMBEDDING) -> Segment:
-    """An item in a prompt: one placeholder token per embedding (Qwen-VL's rule)."""
-    return Segment(item.hash, item.size, item.size, item.modality, item.size * bytes_per_embedding)
+def item_segment(item: Item, bytes_per_embedding: Mapping[str, int] = DEFAULT_BYTES_PER_EMBEDDING) -> Segment:
+    """An item in a prompt: one placeholder token per embedding (Qwen-VL's rule), its
+    processed input weighed as the processor cache weighs it."""
+    return Segment(item.hash, item.size, item.size, item.modality,
+                   processed_bytes(item.size, item.modality, bytes_per_embedding))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +110,8 @@ class WorkloadSpec:
     uniform in ``text_tokens``; each answer's length is geometric of mean
     ``output_tokens`` (and is the next turn's history). The first ``burst`` sessions
     all start at 0, as a benchmark client starting its users at once does. Replicas are
-    chosen uniformly.
+    chosen uniformly. An item's processed input weighs ``bytes_per_embedding`` of its
+    modality per embedding (``stream.sim.processor.DEFAULT_BYTES_PER_EMBEDDING``).
     The defaults are assumptions (no public trace gives this mix); the guide's output
     rate, 6,390 tokens/s at 120 QPS, is ~53 tokens per request.
     """
@@ -136,7 +133,7 @@ class WorkloadSpec:
     burst: int = 0
     replicas: int = 3
     sizes: SizeMix = SizeMix()
-    bytes_per_embedding: int = BYTES_PER_EMBEDDING
+    bytes_per_embedding: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_BYTES_PER_EMBEDDING))
     seed: int = 1
 
 
