@@ -102,7 +102,6 @@ class StateKeeper:
         state, mirror, partitions = self.state, self.mirror, self.partitions
         applied: dict[str, int] = {}
         redelivered = taken = made = 0
-        budget = records_per_slice
         try:
             for record in records:
                 taken += 1
@@ -115,9 +114,9 @@ class StateKeeper:
                     mirror.write(partition, effects, offset)
                     kind = outcome.event.type
                     applied[kind] = applied.get(kind, 0) + 1
-                    if budget is not None:
+                    if records_per_slice is not None:
                         made += _record_count(effects, outcome.event)
-                        if made >= budget:
+                        if made >= records_per_slice:
                             break
                 else:
                     self._reject(partition, record, outcome)

@@ -154,7 +154,7 @@ class EngineViews:
             return
         self._dirty.add(DIGEST_MARK + name)
         holders = self.holders
-        for digest in view.entries:
+        for digest in view.entries:  # up to max_entries: _release inlined
             held_by = holders[digest]
             held_by.discard(name)
             if not held_by:
