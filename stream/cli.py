@@ -267,17 +267,19 @@ def _serve(args: argparse.Namespace) -> None:
                                                changelog))
         if resolved.capacity_source == "default":
             log.warning(
-                "capacity is the Go plugin's default guess (%d items per endpoint). A vLLM "
-                "server keeps an item in three caches of different sizes; size the index to "
-                "the one you route for. Processor cache (mm_processor_cache_gb, 4 GiB by "
-                "default, about 380 images of 1,200 embeddings): "
-                "--cache-size-embeddings-per-server 456522 when items carry sizes (4 GiB / "
-                "9,408 bytes per Qwen2-VL image embedding), else --cache-size-mb-per-server 760. "
-                "Encoder cache (the encoder_cache_size vLLM logs at start, 8,192 embeddings on "
-                "H100-class GPUs: a handful of images): --cache-size-embeddings-per-server that "
-                "when items carry sizes. Prefix cache (KV blocks): no capacity of the index "
-                "predicts it. 'mmcache tune' replays your log against each layer and says which "
-                "to size for (docs/simulation.md)", settings.capacity.per_endpoint)
+                "capacity is the Go plugin's default guess (%d items per endpoint). Do not "
+                "shrink it to vLLM's encoder cache (encoder_cache_size, 8,192 embeddings on "
+                "H100-class GPUs: a handful of images), the layer that saves the least; the "
+                "processor cache (mm_processor_cache_gb, 4 GiB: some 380 images of 1,200 "
+                "embeddings) and the prefix cache (KV blocks) save the most, and the default is "
+                "of their order. When items carry sizes, set --cache-size-embeddings-per-server "
+                "to what the prefix cache keeps of items (the 'GPU KV cache size: N tokens' "
+                "vLLM logs x the items' share of prompt tokens), never below the processor "
+                "cache's 456522 (4 GiB / 9,408 bytes per Qwen2-VL embedding in bf16); without "
+                "sizes, items mode no smaller than the processor cache (--cache-size-mb-per-server "
+                "760 for 1,200-embedding images; the default is larger). 'mmcache tune' "
+                "replays your log against each layer and says what each alone needs "
+                "(docs/simulation.md)", settings.capacity.per_endpoint)
         if datadir.seed.exists():
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
