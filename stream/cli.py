@@ -245,7 +245,8 @@ def _serve(args: argparse.Namespace) -> None:
         bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
     loop = new_event_loop()
     try:
-        datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity),
+        datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
+                                       settings.engine_view_max_entries),
                       cluster_id=cluster)
         # Forked before any thread runs and before Faust is imported. A seeded dir is
         # rewritten first, so it is not preloaded.
