@@ -268,19 +268,13 @@ def _serve(args: argparse.Namespace) -> None:
                                                changelog))
         if resolved.capacity_source == "default":
             log.warning(
-                "capacity is the Go plugin's default guess (%d items per endpoint). Do not "
-                "shrink it to vLLM's encoder cache (encoder_cache_size, 8,192 embeddings on "
-                "H100-class GPUs: a handful of images), the layer that saves the least; the "
-                "processor cache (mm_processor_cache_gb, 4 GiB: some 380 images of 1,200 "
-                "embeddings) and the prefix cache (KV blocks) save the most, and the default is "
-                "of their order. When items carry sizes, set --cache-size-embeddings-per-server "
-                "to what the prefix cache keeps of items (the 'GPU KV cache size: N tokens' "
-                "vLLM logs x the items' share of prompt tokens), never below the processor "
-                "cache's 456522 (4 GiB / 9,408 bytes per Qwen2-VL embedding in bf16); without "
-                "sizes, items mode no smaller than the processor cache (--cache-size-mb-per-server "
-                "760 for 1,200-embedding images; the default is larger). 'mmcache tune' "
-                "replays your log against each layer and says what each alone needs "
-                "(docs/simulation.md)", settings.capacity.per_endpoint)
+                "capacity is the Go plugin's default guess (%d items per endpoint), of the "
+                "order of what a vLLM server's processor cache (4 GiB) and prefix cache (KV "
+                "blocks) keep, the layers that save the most; do not shrink it to the encoder "
+                "cache (8,192 embeddings). With item sizes, set "
+                "--cache-size-embeddings-per-server to the prefix cache's share of items, at "
+                "least 456522; 'mmcache tune' replays your log per layer (docs/simulation.md)",
+                settings.capacity.per_endpoint)
         if datadir.seed.exists():
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)

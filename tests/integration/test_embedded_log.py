@@ -89,7 +89,11 @@ class EmbeddedServe:
             self.process = None
 
     def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+        return self.log()[-3000:]
+
+    def log(self) -> str:
+        """The whole log (start-up lines come before the long configuration lines)."""
+        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture
@@ -156,7 +160,7 @@ def test_kill_9_keeps_every_acknowledged_placement_and_rebuild_replays_them(serv
     first.stop(signal.SIGKILL)
 
     again = serve()
-    assert "log restored from" in again.tail()
+    assert "log restored from" in again.log()
     assert eventually(lambda: _matched(again) == PLACEMENTS and PLACEMENTS, timeout=30)
     live = again.settled_digest()
     assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == live
@@ -176,7 +180,7 @@ def test_a_clean_stop_and_start_keeps_everything_and_the_local_files(serve, tmp_
     assert not (tmp_path / "data" / "RUNNING").exists()
 
     again = serve()
-    log = again.tail()
+    log = again.log()
     assert "log restored from" in log and "did not stop cleanly" not in log
     assert _matched(again) == PLACEMENTS
     assert again.settled_digest() == digest
