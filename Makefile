@@ -72,7 +72,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check stream tests clients/vllm
 
 schemas: $(STAMP)
-	$(BIN)/python -m stream.schemas_gen
+	$(BIN)/python -m stream.http.schemas
 
 clean:
 	rm -rf $(VENV) .mmcache .pytest_cache build $(COMPILED:.py=.*.so)

@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from stream.auth import refuse_open_writes
 from stream.compiled import warn_stale
 from stream.config import (
     ConfigError,
@@ -38,6 +37,7 @@ from stream.config import (
     load_plugin_config,
 )
 from stream.event_loop import new_event_loop
+from stream.http.auth import refuse_open_writes
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import install_repeat_filter
 from stream.sim.commands import add_commands as add_sim_commands
@@ -212,13 +212,13 @@ def _serve(args: argparse.Namespace) -> None:
     (cluster check), start reading the local state, keep the embedded broker's log,
     log the effective configuration, run Faust with a bound on its shutdown; then stop
     Faust, the log's journal and the broker, in that order."""
-    from stream.datadir import DataDir
     from stream.kafka.fetcher import shorten_prefetch_backoff
     from stream.kafka.tansu import apply_remedies, is_tansu_id
     from stream.kafka.topics import changelog_topic, ensure_topics
-    from stream.preload import LocalPreload
-    from stream.rebuild import seed_deployment
-    from stream.shutdown import guard_worker
+    from stream.state.datadir import DataDir
+    from stream.state.preload import LocalPreload
+    from stream.state.rebuild import seed_deployment
+    from stream.worker.shutdown import guard_worker
 
     resolved = _settings(args)
     settings = resolved.settings
@@ -251,7 +251,7 @@ def _serve(args: argparse.Namespace) -> None:
         # Forked before any thread runs and before Faust is imported. A seeded dir is
         # rewritten first, so it is not preloaded.
         preload = None if datadir.seed.exists() else LocalPreload(datadir, settings.capacity).start()
-        from stream.worker import build_worker
+        from stream.worker.app import build_worker
 
         embedded = is_tansu_id(cluster)
         if embedded:
@@ -409,7 +409,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _until(text: str | None) -> Any:
-    from stream.rebuild import Until
+    from stream.state.rebuild import Until
 
     try:
         return Until.parse(text)
@@ -432,7 +432,7 @@ async def _topic_names(bootstrap: str, security: KafkaSecurity) -> set[str]:
 
 
 def _rebuild(args: argparse.Namespace) -> None:
-    from stream.rebuild import rebuild
+    from stream.state.rebuild import rebuild
 
     until = _until(args.until)
     settings = _settings(args).settings
@@ -448,7 +448,7 @@ def _rebuild(args: argparse.Namespace) -> None:
 
 
 def _state_digest(args: argparse.Namespace) -> None:
-    from stream.datadir import DataDir
+    from stream.state.datadir import DataDir
 
     if not args.data_dir.is_dir():
         raise SystemExit(f"--data-dir {args.data_dir}: no such directory")

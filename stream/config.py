@@ -99,7 +99,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MMCACHE_", frozen=True, hide_input_in_errors=True)
 
-    # loopback unless told otherwise; any other address needs write tokens (stream.auth)
+    # loopback unless told otherwise; any other address needs write tokens (stream.http.auth)
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     app_id: str = Field("mmcache", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")

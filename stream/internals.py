@@ -13,7 +13,7 @@ those releases; every entry is still used; and no private name of these librarie
 anywhere under ``stream/`` unless it is listed here. To upgrade a pin, re-read the code of
 each entry of that library in the new release, then change :data:`PINNED` and pyproject.
 
-At run time ``stream.faust_batches.install`` refuses other releases (``check_versions``)
+At run time ``stream.worker.faust_batches.install`` refuses other releases (``check_versions``)
 and a consumer that lacks one of its names (``check_consumer``).
 """
 
@@ -74,10 +74,10 @@ def _aiokafka(owner: str, name: str, used_by: str, how: str) -> Internal:
     return Internal("aiokafka", owner, name, used_by, how)
 
 
-_BATCHES = "stream.faust_batches"
+_BATCHES = "stream.worker.faust_batches"
 
 INTERNALS: tuple[Internal, ...] = (
-    # -- faust-streaming: the consumer, whose drain loop stream.faust_batches replaces --
+    # -- faust-streaming: the consumer, whose drain loop stream.worker.faust_batches replaces --
     _faust(CONSUMER, "_drain_messages", _BATCHES, "replaced, the original kept for other apps"),
     _faust(CONSUMER, "_wait_next_records", _BATCHES, "the fetch of one drain turn"),
     _faust(CONSUMER, "_to_message", _BATCHES, "records of other topics, for Faust's per-message path"),
@@ -121,11 +121,11 @@ INTERNALS: tuple[Internal, ...] = (
     _faust(TABLE_MANAGER, "_update_channels", _BATCHES, "the start of the table manager, as Faust's"),
     _faust(TABLE_MANAGER, "recovery", _BATCHES, "started as Faust's on_start does"),
     # -- the RocksDB store of the table (table.data) --
-    _faust(STORE, "_dbs", "stream.table_mirror, stream.worker", "the open RocksDB of each partition"),
-    _faust(STORE, "_db_for_partition", "stream.table_mirror", "opens a partition's RocksDB to write it"),
-    _faust(STORE, "apply_changelog_batch", "stream.table_mirror", "wrapped per store: the restore gate"),
+    _faust(STORE, "_dbs", "stream.worker.table_mirror, stream.worker.app", "each partition's open RocksDB"),
+    _faust(STORE, "_db_for_partition", "stream.worker.table_mirror", "opens a partition's RocksDB"),
+    _faust(STORE, "apply_changelog_batch", "stream.worker.table_mirror", "wrapped per store: restore gate"),
     # -- the producer --
-    _faust(PRODUCER, "_ensure_producer", "stream.table_mirror", "aiokafka's producer, for whole batches"),
+    _faust(PRODUCER, "_ensure_producer", "stream.worker.table_mirror", "aiokafka's producer, whole batches"),
     # -- aiokafka: the group coordinator (stream.kafka.coordinator) --
     _aiokafka(AIOKAFKA_CONSUMER, "_coordinator", "stream.kafka.coordinator", "its group coordinator"),
     _aiokafka(GROUP_COORDINATOR, "_send_req", "stream.kafka.coordinator", "sends the membership heartbeat"),

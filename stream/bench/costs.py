@@ -16,15 +16,15 @@ from typing import Any
 
 import orjson
 
-from stream.api_models import read_match
 from stream.bench.figures import Figure
 from stream.bench.workload import Workload
-from stream.codec import decode_event, encode_event
 from stream.config import Limits
 from stream.core.cache import CacheState
+from stream.core.codec import decode_event, encode_event
 from stream.core.events import Position
 from stream.core.items import extract_items
 from stream.core.render import render_match
+from stream.http.models import read_match
 from stream.metrics import Metrics
 
 __all__ = ["INGEST_STAGES", "MATCH_STAGES", "cost_figures", "ingest_costs", "match_costs"]
@@ -32,14 +32,14 @@ __all__ = ["INGEST_STAGES", "MATCH_STAGES", "cost_figures", "ingest_costs", "mat
 # stage -> what it is, in the order a request (an event) goes through them
 MATCH_STAGES = {
     "orjson_loads": "the floor: orjson.loads of the body alone (also inside read_match)",
-    "read_match": "body parse and checks (stream.api_models.read_match)",
+    "read_match": "body parse and checks (stream.http.models.read_match)",
     "extract_items": "item extraction (stream.core.items.extract_items)",
     "hits": "index walk (CacheState.hits)",
     "record_match": "metrics (Metrics.record_match)",
     "render_match": "the answer (stream.core.render.render_match)",
 }
 INGEST_STAGES = {
-    "decode_event": "decoding a placement record of the log (stream.codec.decode_event)",
+    "decode_event": "decoding a placement record of the log (stream.core.codec.decode_event)",
     "apply": "the fold (CacheState.apply) into the full state",
 }
 _FLOOR = "orjson_loads"  # inside read_match: not added to the total again

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import faust
 
-from stream.codec import decode_event
 from stream.config import KafkaSecurity, Settings
+from stream.core.codec import decode_event
 from stream.core.events import ItemsPlaced
 from stream.kafka.tansu import apply_remedies, is_tansu
-from stream.store import entry_key
-from stream.worker import faust_settings
+from stream.state.store import entry_key
+from stream.worker.app import faust_settings
 
 __all__ = ["main"]
 

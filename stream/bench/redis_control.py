@@ -25,10 +25,10 @@ import redis
 import redis.asyncio
 from aiohttp import web
 
-from stream.api_models import read_match
 from stream.config import Limits
 from stream.core.items import Item, extract_items
 from stream.core.render import render_match
+from stream.http.models import read_match
 from stream.kafka.embedded import free_port
 
 __all__ = ["LOOKUPS_PER_REQUEST", "DirectRate", "RedisServer", "index_keys", "load_index", "pinned",

@@ -12,11 +12,11 @@ from aiokafka.structs import TopicPartition
 
 from stream.bench.figures import Figure
 from stream.bench.workload import Workload
-from stream.codec import encode_event
 from stream.config import KafkaSecurity, Settings
+from stream.core.codec import encode_event
 from stream.kafka.clients import client_options
 from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
-from stream.rebuild import rebuild
+from stream.state.rebuild import rebuild
 
 __all__ = ["produce_placements", "raw_consume_rate", "replay_figures"]
 

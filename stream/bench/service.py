@@ -20,13 +20,13 @@ import orjson
 from stream.bench.figures import Figure
 from stream.bench.replay import produce_placements, raw_consume_rate
 from stream.bench.workload import Workload
-from stream.codec import decode_event, encode_event
 from stream.config import Settings
 from stream.core.cache import CacheState, Capacity
+from stream.core.codec import decode_event, encode_event
 from stream.core.events import Position
-from stream.datadir import DataDir
 from stream.kafka.embedded import free_port
-from stream.rebuild import rebuild
+from stream.state.datadir import DataDir
+from stream.state.rebuild import rebuild
 
 __all__ = ["footprint_figures", "freshness_figures", "ingest_figures", "naive_agent_rate",
            "restart_figures"]

@@ -25,7 +25,7 @@ from stream.bench.figures import Figure
 from stream.bench.match import _WRK_SCRIPT, Server, _ms, _wrk, full_state
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
-from stream.http_api import HttpApi
+from stream.http.api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 

@@ -9,7 +9,7 @@ mirror the change entry by entry (never a whole LRU per placement).
 The state digest is kept per endpoint: every mutation marks its endpoint dirty (one
 set insertion), and ``refresh_digests`` rehashes dirty endpoints a bounded number of
 entries at a time, so a caller on an event loop can spread the work over slices
-(``stream.digest``) instead of hashing a 1M-entry state in one go.
+(``stream.http.digest``) instead of hashing a 1M-entry state in one go.
 
 Each endpoint that reports its own cache also has an engine view (``stream.core.engine``,
 ``CacheState.engine``), folded from the same log beside the LRUs and covered by the

@@ -1,6 +1,6 @@
 """The /v1/match answer, written as JSON bytes by hand for speed.
 
-Pure (no aiohttp, no state): ``stream.http_api`` serves what ``render_match`` returns,
+Pure (no aiohttp, no state): ``stream.http.api`` serves what ``render_match`` returns,
 and it is compiled with the rest of the match path (``setup.py``). A wide match (many
 endpoint x item pairs) is built in slices instead (``held_by``, ``gather``, then
 ``match_entries``), so that the loop turns between them; both give the same bytes.

@@ -5,7 +5,7 @@ Every event of an endpoint must be in one partition, in log order, for the fold 
 the same state live and in replay; a record that a foreign producer put elsewhere (another
 partitioner: librdkafka's crc32, round robin, FNV; or another key) would make an
 endpoint's history depend on which partitions a reader happens to own. Such records are
-rejected (see ``stream.admission``), never applied.
+rejected (see ``stream.core.admission``), never applied.
 """
 
 from __future__ import annotations

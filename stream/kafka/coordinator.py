@@ -36,9 +36,9 @@ write reaching the broker (the check-then-write window, a few milliseconds of th
 handler), and a member that the coordinator still counts (``RebalanceInProgress``, or a
 freeze shorter than the session timeout). Such a batch lands after the new owner's
 records; every reader of the changelog skips it, its applied offsets being below those
-already written (``stream.store.ChangelogGate``), and the zombie, seeing from the offsets
+already written (``stream.state.store.ChangelogGate``), and the zombie, seeing from the offsets
 its batch got that another writer came in between, asks again (``strict``: no answer is
-a no) and stops without storing the batch in its files (``stream.table_mirror``).
+a no) and stops without storing the batch in its files (``stream.worker.table_mirror``).
 
 This reaches into aiokafka's group coordinator (``_coordinator``, ``_send_req``,
 ``generation``, ``member_id``, ``group_id``) of the pinned aiokafka release.

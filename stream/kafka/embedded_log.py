@@ -153,7 +153,7 @@ def applied_prefix(records: list[LogRecord], end: int) -> int:
     (before any at or past it). What follows may hold entries of events the kept log
     lost (a kill between the broker's acknowledgement and the journal's write) or an
     unfinished batch; the events the kept log does hold are applied again after it."""
-    from stream.store import APPLIED_KEY, decode_applied
+    from stream.state.store import APPLIED_KEY, decode_applied
 
     keep = 0
     for index, record in enumerate(records):

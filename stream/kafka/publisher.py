@@ -22,8 +22,8 @@ from contextlib import asynccontextmanager
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from stream.codec import encode_event
 from stream.config import KafkaSecurity
+from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
 from stream.kafka.clients import MAX_REQUEST_BYTES, client_options
 

@@ -8,7 +8,7 @@ Measured deviations from Kafka and what is done here about them:
 2. An idle fetch is not woken when data arrives; it returns after about half its
    max wait. Consumers' fetch wait is capped so that events reach the state fast.
 
-Group timing is not a deviation to patch but a setting: see ``stream.worker``.
+Group timing is not a deviation to patch but a setting: see ``stream.worker.app``.
 Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
 cluster id (``cluster_id``, also what a data dir records) before anything is patched.
 The aiokafka internals used (``Fetcher.end_offsets`` replaced, the fetcher's and the

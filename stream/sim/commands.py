@@ -521,9 +521,9 @@ def _numbers(text: str | None, flag: str) -> list[int] | None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from stream.rebuild import Progress
     from stream.sim.plot import tune_svg
     from stream.sim.tune import GIB, ItemModel, Truth, advise, default_capacities, survey
+    from stream.state.rebuild import Progress
 
     records, skipped = _read_records(args, "tune")
     events = [(r.position, r.event) for r in records]

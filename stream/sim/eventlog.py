@@ -1,6 +1,6 @@
 """Recorded events, from the event topic or from a JSON-lines export of it.
 
-Records are read as the live worker reads them: decoded by ``stream.codec`` and checked
+Records are read as the live worker reads them: decoded by ``stream.core.codec`` and checked
 by the routing rule of ``stream.core.routing``; what the worker would skip (a dead
 letter) is skipped here too and counted.
 
@@ -22,8 +22,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from stream.codec import MalformedEvent, decode_event, encode_event
 from stream.config import KafkaSecurity
+from stream.core.codec import MalformedEvent, decode_event, encode_event
 from stream.core.events import Event, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.core.routing import misrouted

@@ -11,7 +11,6 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stream.api_models import read_match
 from stream.bench import redis_control
 from stream.bench.match import full_state, request_bodies
 from stream.bench.redis_control import (
@@ -25,6 +24,7 @@ from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.items import extract_items
 from stream.core.render import render_match
+from stream.http.models import read_match
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server (Debian package) is not installed")

@@ -14,7 +14,7 @@ from stream.config import Settings
 from stream.core.cache import Entry
 from stream.core.routing import key_partition
 from stream.kafka.topics import changelog_topic, ensure_topics
-from stream.store import APPLIED_KEY, encode_applied, encode_entry, entry_key
+from stream.state.store import APPLIED_KEY, encode_applied, encode_entry, entry_key
 from tests.integration.conftest import eventually, http
 
 ENDPOINT = "ns/gated"

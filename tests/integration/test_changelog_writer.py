@@ -24,8 +24,8 @@ from rocksdict import Options, Rdict
 
 from stream.core.cache import Effects
 from stream.kafka.coordinator import LostMembership
-from stream.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, encode_applied
-from stream.table_mirror import TableMirror
+from stream.state.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, encode_applied
+from stream.worker.table_mirror import TableMirror
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from stream.codec import encode_event
 from stream.core.cache import CacheState, Capacity
+from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.core.routing import key_partition
@@ -104,7 +104,7 @@ def test_foreign_records_not_applied_are_dead_lettered_and_live_equals_rebuild_e
 
     # the state of the good records alone, by the pure fold at their real positions
     expected = CacheState(Capacity.from_params())
-    from stream.codec import decode_event
+    from stream.core.codec import decode_event
     for (reason, _, value, _), (partition, offset) in zip(records, positions, strict=True):
         if reason is None:
             expected.apply(decode_event(value), Position(partition, offset))

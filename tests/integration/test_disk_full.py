@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from stream.datadir import DataDir
-from stream.store import APPLIED_KEY, decode_applied
+from stream.state.datadir import DataDir
+from stream.state.store import APPLIED_KEY, decode_applied
 from tests.integration.conftest import Service, eventually
 
 pytestmark = pytest.mark.integration

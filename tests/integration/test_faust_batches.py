@@ -1,4 +1,4 @@
-"""The batch path (``stream.faust_batches``) on the real Faust consumer and the real broker,
+"""The batch path (``stream.worker.faust_batches``) on the real Faust consumer and the real broker,
 for the rules it claims: commits advance past handled batches; a revocation waits for the
 batch in flight, whose offsets are then not committed and whose records are delivered
 again; a handler that fails (a changelog send the client refuses) stops the worker without
@@ -6,7 +6,7 @@ acknowledging, and a restart delivers the records again.
 
 Each test builds a small Faust app in this process (a topic, an agent that subscribes to
 it, the batch path with a handler the test controls), with the group timings of
-``stream.worker.faust_settings`` and the Tansu remedies applied as ``serve`` applies them.
+``stream.worker.app.faust_settings`` and the Tansu remedies applied as ``serve`` applies them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from aiokafka.structs import TopicPartition
 from faust.exceptions import ProducerSendError
 from faust.types import TP
 
-from stream import faust_batches
 from stream.kafka import tansu
-from stream.stall_watch import StallWatch
-from stream.worker import rewind_stalled
+from stream.worker import faust_batches
+from stream.worker.app import rewind_stalled
+from stream.worker.stall_watch import StallWatch
 
 pytestmark = pytest.mark.integration
 

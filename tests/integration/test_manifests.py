@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from stream.auth import refuse_open_writes
 from stream.cli import _parser, _settings
 from stream.config import Settings
+from stream.http.auth import refuse_open_writes
 from tests.integration.conftest import Service, eventually
 
 ROOT = Path(__file__).resolve().parents[2]

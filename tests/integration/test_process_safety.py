@@ -23,7 +23,7 @@ import pytest
 
 import stream
 from stream.kafka.embedded import EmbeddedBroker, free_port
-from stream.shutdown import FORCED_EXIT_CODE
+from stream.worker.shutdown import FORCED_EXIT_CODE
 from tests.integration.conftest import Service, eventually, http
 
 pytestmark = pytest.mark.integration

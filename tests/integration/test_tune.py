@@ -10,7 +10,7 @@ import uuid
 
 from aiokafka import AIOKafkaProducer
 
-from stream.codec import encode_event
+from stream.core.codec import encode_event
 from stream.core.events import ItemsPlaced
 from stream.core.items import Item
 from stream.core.routing import key_partition

@@ -25,9 +25,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from stream.core.events import ItemsPlaced
 from stream.core.items import Item
 from stream.core.routing import key_partition
-from stream.datadir import TABLE_NAME
 from stream.kafka.publisher import EventPublisher, LogUnavailable
-from stream.store import APPLIED_KEY, decode_applied
+from stream.state.datadir import TABLE_NAME
+from stream.state.store import APPLIED_KEY, decode_applied
 from tests.integration.conftest import Service, eventually, http
 
 PARTITIONS = 8  # serve's default

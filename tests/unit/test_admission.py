@@ -1,4 +1,4 @@
-"""The one rule for records of the event topic (``stream.admission.fold_record``): apply,
+"""The one rule for records of the event topic (``stream.core.admission.fold_record``): apply,
 or skip with a reason, the same for the live keeper and for ``rebuild``."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.admission import Applied, Rejected, fold_record
-from stream.codec import encode_event
+from stream.core.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Capacity
+from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 from stream.core.routing import key_partition

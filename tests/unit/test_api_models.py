@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from stream.api_models import MatchRequest, check_limits, read_match
 from stream.config import Limits
 from stream.core.items import InvalidField
+from stream.http.models import MatchRequest, check_limits, read_match
 
 LIMITS = Limits()
 

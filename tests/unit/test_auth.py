@@ -11,10 +11,10 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stream.auth import TokenFile, TokenFileError, open_token_file, read_tokens
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
-from stream.http_api import HttpApi
+from stream.http.api import HttpApi
+from stream.http.auth import TokenFile, TokenFileError, open_token_file, read_tokens
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 from tests.unit.test_write_safety import StandInProducer

@@ -6,8 +6,8 @@ from collections import defaultdict
 
 import pytest
 
-from stream.codec import decode_event, encode_event
 from stream.core.cache import CacheState, Capacity, Effects, EndpointMatch, Entry, combine_digests
+from stream.core.codec import decode_event, encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
 

@@ -15,7 +15,7 @@ from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from stream.config import KafkaSecurity, Settings
 from stream.kafka.clients import client_options, faust_credentials
-from stream.worker import faust_settings
+from stream.worker.app import faust_settings
 
 
 @pytest.fixture(scope="module")

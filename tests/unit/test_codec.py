@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from stream.codec import MalformedEvent, decode_event, encode_event
+from stream.core.codec import MalformedEvent, decode_event, encode_event
 from stream.core.events import EVENT_VERSION, EndpointDeleted, EndpointsSynced, ItemsPlaced
 from stream.core.items import Item
 

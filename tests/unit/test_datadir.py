@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from stream.core.cache import Capacity
-from stream.datadir import LOCK_NAME, DataDir, DataDirInUse, StateMismatch
 from stream.kafka.embedded import STANDALONE_CLUSTER_PREFIX, new_cluster_id
 from stream.kafka.embedded_log import EmbeddedLog
+from stream.state.datadir import LOCK_NAME, DataDir, DataDirInUse, StateMismatch
 
 IDENTITY = DataDir.identity("app", "app-events", Capacity("items", 1024))
 REAL_CLUSTER = "Lk3rYq0bQ9uG1o2JmX8y7w"  # what a real Kafka cluster id looks like
@@ -236,7 +236,7 @@ CLAIM = """
 import sys
 from pathlib import Path
 from stream.core.cache import Capacity
-from stream.datadir import DataDir
+from stream.state.datadir import DataDir
 d = DataDir(Path(sys.argv[1]))
 d.claim(DataDir.identity("app", "app-events", Capacity("items", 1024)))
 d.release()

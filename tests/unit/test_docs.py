@@ -15,7 +15,13 @@ import orjson
 import pytest
 from pydantic import TypeAdapter
 
-from stream.api_models import (
+from stream.cli import _parser
+from stream.core.cache import CacheState, Capacity
+from stream.core.codec import decode_event
+from stream.core.events import ItemsPlaced, Position
+from stream.core.items import extract_items
+from stream.http.api import render_match
+from stream.http.models import (
     EndpointEventRequest,
     EngineEventsRequest,
     ErrorBody,
@@ -26,12 +32,6 @@ from stream.api_models import (
     ReadinessBody,
     StateResponse,
 )
-from stream.cli import _parser
-from stream.codec import decode_event
-from stream.core.cache import CacheState, Capacity
-from stream.core.events import ItemsPlaced, Position
-from stream.core.items import extract_items
-from stream.http_api import render_match
 from tests.unit.test_http_api import make_api
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def _gateway_errors() -> list[tuple[str, str, str, int, str]]:
 
 
 def test_the_documented_error_answers_are_the_services_own(tmp_path):
-    from stream.auth import TokenFile
+    from stream.http.auth import TokenFile
 
     tokens = tmp_path / "tokens"
     tokens.write_text("a-write-token\n")

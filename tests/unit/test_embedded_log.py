@@ -13,7 +13,7 @@ from stream.kafka.embedded_log import (
     is_log_entry,
     read_frames,
 )
-from stream.store import APPLIED_KEY, encode_applied
+from stream.state.store import APPLIED_KEY, encode_applied
 
 RECORDS = [
     LogRecord(0, 1_700_000_000_000, 0, b"ns/pod-a", b'{"v":1}', (("mmcache.reason", b"x"),)),

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stream.codec import decode_event, encode_event
 from stream.config import Limits, Settings
 from stream.core.cache import CacheState, Capacity
+from stream.core.codec import decode_event, encode_event
 from stream.core.events import (
     EngineCleared,
     EngineEventsReported,
@@ -25,7 +25,7 @@ from stream.core.events import (
     Position,
 )
 from stream.core.items import Item
-from stream.http_api import HttpApi
+from stream.http.api import HttpApi
 from stream.metrics import Metrics
 
 DEFAULT_LIMITS = Limits()
@@ -319,7 +319,7 @@ def test_match_source_comes_from_the_flag_or_the_environment(monkeypatch):
 
 
 def test_reports_need_a_write_token_as_placements_do(tmp_path):
-    from stream.auth import TokenFile
+    from stream.http.auth import TokenFile
 
     tokens = tmp_path / "tokens"
     tokens.write_text("a-write-token\n")

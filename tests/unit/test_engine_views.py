@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.codec import decode_event, encode_event
 from stream.core.cache import CacheState, Capacity, combine_digests
+from stream.core.codec import decode_event, encode_event
 from stream.core.engine import DIGEST_MARK, EngineChange
 from stream.core.events import (
     EndpointDeleted,
@@ -31,10 +31,9 @@ from stream.core.events import (
     Position,
 )
 from stream.core.items import Item
-from stream.datadir import DataDir
-from stream.follower import ChangelogFollower, Reread
-from stream.rebuild import write_state
-from stream.store import (
+from stream.state.datadir import DataDir
+from stream.state.rebuild import write_state
+from stream.state.store import (
     APPLIED_KEY,
     ChangelogGate,
     effect_records,
@@ -44,6 +43,7 @@ from stream.store import (
     read_partition,
     write_effects,
 )
+from stream.worker.follower import ChangelogFollower, Reread
 from tests.unit.eventlogs import EventLogs, Record
 
 ENDPOINTS = [f"ns/pod-{i}" for i in range(5)]

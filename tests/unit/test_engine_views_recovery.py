@@ -18,18 +18,18 @@ from hypothesis import strategies as st
 from stream.core.cache import CacheState, Capacity
 from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.core.events import Position
-from stream.datadir import DataDir, StateMismatch
-from stream.follower import ChangelogFollower, Reread
 from stream.kafka.embedded_log import applied_prefix
-from stream.rebuild import seed_records, write_state
-from stream.store import (
+from stream.state.datadir import DataDir, StateMismatch
+from stream.state.rebuild import seed_records, write_state
+from stream.state.store import (
     APPLIED_KEY,
     ChangelogGate,
     endpoint_records,
     engine_records,
     load_partition_in_slices,
 )
-from stream.view_load import load_partition_into_view
+from stream.state.view_load import load_partition_into_view
+from stream.worker.follower import ChangelogFollower, Reread
 from tests.unit.test_engine_views import (
     CAPACITY,
     assert_same,
@@ -214,7 +214,7 @@ def test_no_step_of_a_load_reads_more_than_a_slice_and_one_endpoint(source):
 def test_a_dropped_view_is_one_change_whose_records_remove_each_entry_then_the_view(drop):
     from stream.core.engine import EngineChange
     from stream.core.events import EndpointDeleted, EndpointsSynced
-    from stream.store import effect_records, engine_key, write_effects
+    from stream.state.store import effect_records, engine_key, write_effects
 
     state, table = CacheState(CAPACITY, 8), {}
     for offset, event in enumerate([report("e", stored("a", "9f" * 32, "c")), report("f", stored("a"))]):
@@ -234,11 +234,11 @@ def test_a_slice_of_the_keepers_apply_ends_once_its_store_records_reach_the_boun
     """Reports of 40 items each (41 records) and deletions of those views (41 records,
     one change each): no slice makes more than the bound and the event that crossed it,
     and the batch ends as one ``apply_batch`` of it would."""
-    from stream import keeper as keepers
-    from stream.codec import encode_event
+    from stream.core.codec import encode_event
     from stream.core.events import EndpointDeleted
     from stream.metrics import Metrics
-    from stream.table_mirror import MappingMirror
+    from stream.worker import keeper as keepers
+    from stream.worker.table_mirror import MappingMirror
 
     monkeypatch.setattr(keepers, "APPLY_SLICE_RECORDS", 100)
     events = [report(f"ns/pod-{n}", stored(*(f"h{n}-{i}" for i in range(40)))) for n in range(30)]

@@ -15,8 +15,8 @@ from faust.tables import TableManager
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stream import faust_batches
-from stream.faust_batches import PromptTableManager, plan_batch
+from stream.worker import faust_batches
+from stream.worker.faust_batches import PromptTableManager, plan_batch
 
 
 def records(*offsets: int) -> list[SimpleNamespace]:

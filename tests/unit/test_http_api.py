@@ -9,13 +9,13 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stream.bodies import checked_match_query
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
 from stream.core.render import render_match
-from stream.http_api import ApiError, HttpApi
+from stream.http.api import ApiError, HttpApi
+from stream.http.bodies import checked_match_query
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 
@@ -234,9 +234,9 @@ def answers_of(api: HttpApi, calls: list[tuple[str, str, bytes]]) -> list[tuple[
 def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer(monkeypatch):
     import random
 
-    import stream.http_api
+    import stream.http.api
 
-    monkeypatch.setattr(stream.http_api, "_SLICE_PAIRS", 256)  # many slices of hits and entries
+    monkeypatch.setattr(stream.http.api, "_SLICE_PAIRS", 256)  # many slices of hits and entries
 
     rng = random.Random(7)
     items = [Item(f"h{i}", rng.randint(1, 9), rng.choice(["image", "video", "a\"b"])) for i in range(64)]
@@ -302,7 +302,7 @@ BODIES = [
 
 
 def test_a_body_read_in_the_child_process_gets_the_answer_it_gets_inline():
-    from stream.body_reader import BodyReader
+    from stream.http.body_reader import BodyReader
 
     calls = [("POST", "/v1/match", raw) for raw in BODIES] + [
         ("POST", "/v1/placements", orjson.dumps({"endpoints": ["ns/a"], "items": [{"hash": "h", "size": 0, "modality": "image"}]})),
@@ -317,8 +317,8 @@ def test_a_body_read_in_the_child_process_gets_the_answer_it_gets_inline():
 
 
 def test_a_body_whose_child_died_is_read_by_a_new_one_and_a_503_only_if_that_dies_too(monkeypatch):
-    from stream import body_reader
-    from stream.bodies import match_query
+    from stream.http import body_reader
+    from stream.http.bodies import match_query
 
     async def run() -> tuple[list, list, list]:
         reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0)
@@ -480,7 +480,7 @@ def test_other_aiohttp_applications_keep_aiohttps_own_answer():
 def test_the_guard_refuses_an_aiohttp_it_was_not_written_for(monkeypatch):
     import aiohttp
 
-    from stream import aiohttp_guard
+    from stream.http import aiohttp_guard
 
     monkeypatch.setattr(aiohttp, "__version__", "4.0.0")
     with pytest.raises(RuntimeError, match="aiohttp >=3.9,<4; installed: aiohttp 4.0.0"):

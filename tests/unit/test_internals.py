@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from stream import faust_batches, internals
+from stream import internals
 from stream.internals import INTERNALS, PINNED, Internal
 from stream.kafka import coordinator
+from stream.worker import faust_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"faust-streaming": "faust", "mode-streaming": "mode", "aiokafka": "aiokafka"}
@@ -24,8 +25,8 @@ PACKAGES = {"faust-streaming": "faust", "mode-streaming": "mode", "aiokafka": "a
 # Private names used under stream/ on objects that are not these libraries', though the
 # libraries happen to use the same names (so the scan below cannot tell them apart).
 NOT_THEIRS = {
-    "_asdict": "a NamedTuple's public method (stream/http_api.py: CacheState.summary rows)",
-    "_producer": "stream.table_mirror.TableMirror._producer (stream/worker.py)",
+    "_asdict": "a NamedTuple's public method (stream/http/api.py: CacheState.summary rows)",
+    "_producer": "stream.worker.table_mirror.TableMirror._producer (stream/worker/app.py)",
 }
 
 
@@ -171,6 +172,6 @@ def test_the_scan_finds_an_unlisted_private_name(tmp_path):
 
 
 def test_the_names_that_are_not_theirs_are_mmcaches_own():
-    from stream.table_mirror import TableMirror
+    from stream.worker.table_mirror import TableMirror
 
     assert "_producer" in vars(TableMirror)

@@ -15,9 +15,9 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from stream.body_reader import BodyReader
 from stream.core.events import ItemsPlaced
 from stream.core.items import InvalidField, Item, extract_items
+from stream.http.body_reader import BodyReader
 from tests.unit.openai_bodies import sdk_body
 from tests.unit.test_http_api import make_api
 

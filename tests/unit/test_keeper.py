@@ -14,17 +14,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stream.codec import MalformedEvent, decode_event, encode_event
 from stream.core.cache import CacheState, Capacity
+from stream.core.codec import MalformedEvent, decode_event, encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
-from stream.datadir import DataDir
-from stream.keeper import APPLY_SLICE
 from stream.metrics import Metrics
-from stream.preload import LocalPreload
-from stream.rebuild import write_state
-from stream.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, write_effects
-from stream.worker import MappingMirror, StateKeeper
+from stream.state.datadir import DataDir
+from stream.state.preload import LocalPreload
+from stream.state.rebuild import write_state
+from stream.state.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, write_effects
+from stream.worker.app import MappingMirror, StateKeeper
+from stream.worker.keeper import APPLY_SLICE
 from tests.unit.test_store import Scenario, scenarios, view
 
 SETTINGS = settings(max_examples=100, deadline=None)

@@ -8,10 +8,10 @@ import pytest
 
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
-from stream.http_api import HttpApi
+from stream.http.api import HttpApi
+from stream.http.openapi import build_document, openapi_document
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
-from stream.openapi import build_document, openapi_document
 
 
 def app_routes() -> set[tuple[str, str]]:

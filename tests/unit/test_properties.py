@@ -14,8 +14,8 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.codec import decode_event, encode_event
 from stream.core.cache import CacheState, Effects, Entry
+from stream.core.codec import decode_event, encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
 from stream.core.items import Item
 from tests.unit.eventlogs import EventLogs, Scenario, fold, view

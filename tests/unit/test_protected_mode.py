@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from stream.auth import is_loopback, refuse_open_writes
 from stream.cli import _parser, _settings
 from stream.config import Settings
+from stream.http.auth import is_loopback, refuse_open_writes
 
 
 def test_the_default_host_is_loopback():

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stream.readiness import Readiness, ViewLag, caught_up, decide, view_lag
+from stream.worker.readiness import Readiness, ViewLag, caught_up, decide, view_lag
 
 
 def test_lag_counts_events_past_the_applied_offset_per_partition():

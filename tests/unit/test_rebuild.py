@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.datadir import STATE_FORMAT, DataDir, StateMismatch
-from stream.rebuild import Until, balanced_groups, write_state
+from stream.state.datadir import STATE_FORMAT, DataDir, StateMismatch
+from stream.state.rebuild import Until, balanced_groups, write_state
 from tests.unit.test_store import Scenario, scenarios, view
 
 APP, TOPIC = "mmcache", "mmcache-events"

@@ -11,7 +11,7 @@ from rocksdict import Options, Rdict
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.store import (
+from stream.state.store import (
     APPLIED_KEY,
     encode_applied,
     endpoint_records,

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from stream.codec import decode_event
-from stream.schemas_gen import EXAMPLES, render
+from stream.core.codec import decode_event
+from stream.http.schemas import EXAMPLES, render
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 

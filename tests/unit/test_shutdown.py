@@ -6,7 +6,7 @@ import logging
 import threading
 
 from stream.logs import RepeatFilter, install_repeat_filter
-from stream.shutdown import FORCED_EXIT_CODE, ShutdownDeadline
+from stream.worker.shutdown import FORCED_EXIT_CODE, ShutdownDeadline
 
 
 class Clock:

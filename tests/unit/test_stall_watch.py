@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stream.stall_watch import StallWatch
+from stream.worker.stall_watch import StallWatch
 
 
 def test_a_partition_behind_and_unmoved_for_the_interval_is_stalled_once_per_interval():

@@ -1,4 +1,4 @@
-"""The key-value layout of the LRU state (stream/store.py), as a contract every store meets.
+"""The key-value layout of the LRU state (stream/state/store.py), as a contract every store meets.
 
 The same suite runs against a plain ``dict`` and against bare ``rocksdict.Rdict`` files opened
 with ``DataDir.open_partition`` (raw byte keys, as Faust opens them): folding an
@@ -21,8 +21,8 @@ from rocksdict import Rdict
 from stream.core.cache import CacheState, Capacity, Effects, Entry
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
 from stream.core.items import Item
-from stream.datadir import DataDir
-from stream.store import (
+from stream.state.datadir import DataDir
+from stream.state.store import (
     APPLIED_KEY,
     decode_applied,
     encode_applied,
@@ -341,7 +341,7 @@ def test_write_effects_applies_upserts_then_removals_then_applied():
 
 def test_changelog_gate_drops_events_written_again_after_later_ones():
     from stream.core.cache import Entry
-    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
+    from stream.state.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
 
     def event(offset: int, upserts: list[str], removals: list[str] = ()) -> list[tuple]:
         records = [(entry_key("ns/a", h), encode_entry(Entry("ns/a", h, 1, offset, i)))
@@ -374,7 +374,7 @@ def test_changelog_gate_drops_events_written_again_after_later_ones():
 def test_a_copy_of_a_changelog_gate_admits_again_what_the_gate_admitted_after_it():
     """A restore the file refused is given again from the copy taken before it."""
     from stream.core.cache import Entry
-    from stream.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
+    from stream.state.store import APPLIED_KEY, ChangelogGate, encode_applied, encode_entry, entry_key
 
     def event(offset: int, upserts: list[str], removals: list[str] = ()) -> list[tuple]:
         records = [(entry_key("ns/a", h), encode_entry(Entry("ns/a", h, 1, offset, i)))

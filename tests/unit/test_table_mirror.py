@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from rocksdict import Options, Rdict, WriteBatch
 
-from stream.store import APPLIED_KEY, encode_applied
-from stream.table_mirror import (
+from stream.state.store import APPLIED_KEY, encode_applied
+from stream.worker.table_mirror import (
     StateWrites,
     TableMirror,
     check_room,
@@ -50,7 +50,7 @@ def test_state_writes_report_the_failing_partitions_until_they_are_written(caplo
     now = [100.0]
     writes = StateWrites(clock=lambda: now[-1])
     assert writes.problem() is None
-    with caplog.at_level(logging.ERROR, "stream.table_mirror"):
+    with caplog.at_level(logging.ERROR, "stream.worker.table_mirror"):
         writes.failed(2, Exception(FULL))
         now.append(103.0)
         writes.failed(2, Exception(FULL))

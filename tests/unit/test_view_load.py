@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.follower import Reread
-from stream.store import effect_records, load_partition, load_partition_in_slices
-from stream.view_load import load_partition_into_view
+from stream.state.store import effect_records, load_partition, load_partition_in_slices
+from stream.state.view_load import load_partition_into_view
+from stream.worker.follower import Reread
 
 HEX = "ab" * 32
 
@@ -99,7 +99,7 @@ def test_a_changelog_in_key_order_is_loaded_in_the_owner_recency_order():
     assert view.applied == {0: 2}
 
     arrival = CacheState(owner.capacity)
-    from stream.store import decode_change
+    from stream.state.store import decode_change
 
     for key, value in sorted(store.items()):
         change = decode_change(key, value)

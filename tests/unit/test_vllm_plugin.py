@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from stream.bodies import ApiError, engine_events
 from stream.config import Limits
+from stream.http.bodies import ApiError, engine_events
 from tests.unit.vllm_scheduler import (
     ENDPOINT,
     LOGGER_NAME,
@@ -49,7 +49,7 @@ class Recorder:
     hangs each POST until the hold is set, then answers 503 (the plugin gave up on it
     long before, and nothing of it was applied). While ``gate`` is clear a POST waits
     for it and is then taken as usual (``arrived`` counts the POSTs that came).
-    ``reader`` (the service's own, e.g. ``stream.bodies.engine_events`` with some
+    ``reader`` (the service's own, e.g. ``stream.http.bodies.engine_events`` with some
     ``Limits``) checks each body first: what it refuses gets its status and error body.
     While ``redirect_to`` is set, every POST is answered 302 to that URL."""
 

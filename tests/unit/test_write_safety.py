@@ -18,7 +18,7 @@ from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.http_api import HttpApi
+from stream.http.api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 

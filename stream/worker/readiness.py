@@ -22,7 +22,7 @@ from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from stream.api_models import ReadinessBody
+from stream.http.models import ReadinessBody
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Readiness:
     """The running worker's readiness: latched once the first recovery has loaded the view
     (``loaded``), the follower has read the other partitions (``follower_caught_up``) and
     every partition has applied the log's end as first read after that; then ``decide``,
-    told of ``problem()`` (``stream.table_mirror.StateWrites.problem``).
+    told of ``problem()`` (``stream.worker.table_mirror.StateWrites.problem``).
     """
 
     def __init__(self, applied: Callable[[], Mapping[int, int]], log_ends: LogEnds,

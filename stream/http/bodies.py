@@ -2,7 +2,7 @@
 
 Pure (no aiohttp, no state, nothing shared between calls): the same reader runs on the
 event loop for a small body and in the body reader's child process for a big one
-(``stream.body_reader``), so every refusal is worded alike wherever the body was read.
+(``stream.http.body_reader``), so every refusal is worded alike wherever the body was read.
 What needs the view (``check_placement``) is checked by the caller. Each reader stops at
 the first problem, and the work it does before follows the limits: extraction stops at
 the item and reference limits, a match at its endpoint x item limit.
@@ -15,7 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from stream.api_models import (
+from stream.config import Limits
+from stream.core.codec import field_path
+from stream.core.events import EngineItemsRemoved, EngineItemsStored
+from stream.core.items import MAX_ITEM_SIZE, InvalidField, Item, extract_items, unique_items
+from stream.http.models import (
     EndpointDeletedRequest,
     EndpointEventRequest,
     EngineEventsRequest,
@@ -24,10 +28,6 @@ from stream.api_models import (
     check_limits,
     read_match,
 )
-from stream.codec import field_path
-from stream.config import Limits
-from stream.core.events import EngineItemsRemoved, EngineItemsStored
-from stream.core.items import MAX_ITEM_SIZE, InvalidField, Item, extract_items, unique_items
 
 __all__ = ["READERS", "ApiError", "MatchQuery", "Placement", "checked_match_query", "endpoint_event",
            "engine_events", "invalid", "match_query", "parse", "placement"]

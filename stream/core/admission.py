@@ -1,14 +1,14 @@
 """The one rule that decides, for every record of the event topic, whether it is applied
 to the state or skipped as a dead letter, and with which reason.
 
-The live keeper (``stream.worker.StateKeeper``) and the offline ``rebuild`` both fold
+The live keeper (``stream.worker.app.StateKeeper``) and the offline ``rebuild`` both fold
 records through ``fold_record``, so they skip exactly the same records and live equals
 replay for any producer. A skipped record still advances its partition's applied offset,
 as an applied one does.
 
 Reasons (the ``mmcache.reason`` header of a dead letter and the label of
 ``mmcache_dead_letters_total``): ``not_json``, ``bad_schema``, ``unknown_version``
-(``stream.codec``), ``wrong_key``, ``wrong_partition`` (``stream.core.routing``) and
+(``stream.core.codec``), ``wrong_key``, ``wrong_partition`` (``stream.core.routing``) and
 ``apply_failed`` (the fold raised).
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from stream.codec import MalformedEvent, decode_event
 from stream.core.cache import CacheState, Effects
+from stream.core.codec import MalformedEvent, decode_event
 from stream.core.events import Event, Position
 from stream.core.routing import misrouted
 

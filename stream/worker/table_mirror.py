@@ -30,9 +30,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from rocksdict import WriteBatch
 
 from stream.core.cache import Effects
-from stream.datadir import DataDir
 from stream.kafka.coordinator import LostMembership
-from stream.store import (
+from stream.state.datadir import DataDir
+from stream.state.store import (
     APPLIED_KEY,
     FAUST_OFFSET_KEY,
     ChangelogGate,
@@ -297,7 +297,7 @@ class TableMirror:
             # another writer between its offset and this batch are either its successor's,
             # when this worker is a zombie: they must not be skipped by the file, so nothing
             # of the batch goes to it (``still_owner`` raises LostMembership; the changelog's
-            # readers skip the batch, stream.store.ChangelogGate); or a zombie's, written
+            # readers skip the batch, stream.state.store.ChangelogGate); or a zombie's, written
             # after this owner's, which every reader skips: the owner goes on.
             after = reached.get(partition, self._persisted(partition))
             if after is not None and metadata.offset != after + 1:

@@ -2,7 +2,7 @@
 again from the view's applied offset.
 
 Faust's consumer can drop fetched records without moving its position back
-(``stream.faust_batches`` gives back every such record it found: a survivor that took
+(``stream.worker.faust_batches`` gives back every such record it found: a survivor that took
 over a dead owner's partitions once skipped their first events so and never applied
 them). Were another such path left, the partition's lag would hold still while nothing
 is applied, and the view would stay behind until the next rebalance. This rule notices
@@ -11,7 +11,7 @@ the worker applied nothing at all. A fetch from the applied offset is always saf
 keeper skips what it applied already.
 
 ``StallWatch`` is the rule, pure (the clock and the figures are given); the worker asks
-it once a second (``stream.worker``).
+it once a second (``stream.worker.app``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ JSON values: 16 MiB of small objects took 330-640 ms in one ``orjson.loads`` cal
 2-core test machine, and in a thread the loop waited just as long (a thread helps only
 code that lets the GIL go: hashlib does for big inputs, Python code every 5 ms switch
 interval, orjson never). So a body that could cost more than ~1 ms is sent to one
-long-lived child process, which runs the route's reader of ``stream.bodies`` on it and
+long-lived child process, which runs the route's reader of ``stream.http.bodies`` on it and
 sends back only the checked values (at most the limits' endpoints and items). A body is
 read inline when it is at most ``INLINE_BYTES`` long and holds at most ``INLINE_VALUES``
 commas (every JSON value after the first of its array or object follows one): there the
@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stream.bodies import READERS, ApiError
 from stream.config import Limits
+from stream.http.bodies import READERS, ApiError
 
 __all__ = ["INLINE_BYTES", "INLINE_VALUES", "BodyReader", "main"]
 
@@ -60,7 +60,7 @@ T = TypeVar("T")
 
 
 class BodyReader:
-    """Runs a reader of ``stream.bodies`` on a body: inline when it is small, else in the
+    """Runs a reader of ``stream.http.bodies`` on a body: inline when it is small, else in the
     child process. Same answers (values and ``ApiError`` refusals) either way."""
 
     def __init__(self, limits: Limits, inline_bytes: int = INLINE_BYTES,
@@ -139,7 +139,7 @@ class _Child:
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": _PROJECT + (os.pathsep + path if path else "")}
         process = subprocess.Popen(
-            [sys.executable, "-m", "stream.body_reader", limits.model_dump_json()],
+            [sys.executable, "-m", "stream.http.body_reader", limits.model_dump_json()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
             start_new_session=True)  # a Ctrl-C is the service's to handle, not the child's
         with contextlib.suppress(OSError):  # 1 MiB, not 64 KiB, a wake-up: a 16 MiB body in 16

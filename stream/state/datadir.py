@@ -38,7 +38,7 @@ from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.kafka.embedded import EMBEDDED_CLUSTER_PREFIX
 from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
 from stream.kafka.topics import TABLE_NAME
-from stream.store import load_partition
+from stream.state.store import load_partition
 
 __all__ = ["LOCK_NAME", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse", "StateMismatch"]
 

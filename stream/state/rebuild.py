@@ -32,10 +32,9 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from rocksdict import IngestExternalFileOptions, Options, SstFileWriter
 
 from stream import event_loop
-from stream.admission import Rejected, fold_record
 from stream.config import KafkaSecurity, Settings
+from stream.core.admission import Rejected, fold_record
 from stream.core.cache import CacheState, Capacity, combine_digests
-from stream.datadir import DataDir, StateMismatch
 from stream.kafka.clients import client_options
 from stream.kafka.tansu import apply_remedies, cluster_id, is_tansu_id
 from stream.kafka.topics import (
@@ -44,7 +43,8 @@ from stream.kafka.topics import (
     cluster_durability,
     ensure_topic,
 )
-from stream.store import (
+from stream.state.datadir import DataDir, StateMismatch
+from stream.state.store import (
     APPLIED_KEY,
     FAUST_OFFSET_KEY,
     decode_applied,
@@ -119,7 +119,7 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
                  ) -> dict[str, int]:
     """Fold the given partitions of the topic (of ``topic_partitions`` partitions in all)
     into ``state``, up to the end offsets seen at the start (or ``until``), by the live
-    worker's rule (``stream.admission``); return counts of applied events and of
+    worker's rule (``stream.core.admission``); return counts of applied events and of
     skipped records, in all (``skipped``) and by reason.
     """
     consumer = AIOKafkaConsumer(

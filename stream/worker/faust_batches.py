@@ -52,8 +52,8 @@ after the rejoin in one run of the zombie test, so the restart, which was shown 
 converge, is the rule). What the check cannot stop (a freeze between the coordinator's
 answer and the write, or the producer resending a batch sent just before the freeze) lands
 after the successor's records: readers of the changelog skip such events
-(``stream.store.ChangelogGate``), and the zombie, seeing its batch land after another
-writer's records, stops without storing it in its files (``stream.table_mirror``). The
+(``stream.state.store.ChangelogGate``), and the zombie, seeing its batch land after another
+writer's records, stops without storing it in its files (``stream.worker.table_mirror``). The
 embedded broker supports neither idempotent nor transactional producers; the answers the
 check takes as lost are in ``stream.kafka.coordinator``. See
 ``tests/integration/test_zombie_owner.py``.
@@ -102,7 +102,7 @@ CONSUMER_INTERNALS = (
     *internals.names(internals.CONSUMER, private=False),
     *(f"app.{name}" for name in internals.names(internals.APP)),
     *(f"{entry.owner}.{entry.name}" for entry in internals.INTERNALS
-      if entry.used_by == "stream.faust_batches" and entry.is_module),
+      if entry.used_by == "stream.worker.faust_batches" and entry.is_module),
 )
 
 #: ``handler(partition, records)``: records are aiokafka ``ConsumerRecord``s in offset order.
@@ -171,7 +171,7 @@ def install(app: faust.App, handlers: Mapping[str, BatchHandler]) -> None:
     missing = [name for name in ("_drain_messages", "_wait_next_records", "_to_message", "_add_gap")
                if not callable(getattr(Consumer, name, None))]
     if missing:
-        raise RuntimeError(f"stream.faust_batches: faust's Consumer lacks {missing}")
+        raise RuntimeError(f"stream.worker.faust_batches: faust's Consumer lacks {missing}")
     _handlers[app] = dict(handlers)
     if _original_drain is None:
         _original_drain = Consumer._drain_messages
@@ -193,7 +193,7 @@ class PromptTableManager(TableManager):
 
 def check_versions(installed: Callable[[str], str] | None = None) -> None:
     """Refuse to patch anything unless every package in ``PINNED`` is at its release."""
-    internals.check_versions(installed, "stream.faust_batches", tuple(PINNED))
+    internals.check_versions(installed, "stream.worker.faust_batches", tuple(PINNED))
 
 
 def owner_generation(app: faust.App) -> int:
@@ -241,7 +241,7 @@ def check_consumer(consumer: Any) -> None:
     missing += [name for name in CONSUMER_INTERNALS
                 if name.startswith("app.") and not hasattr(consumer.app, name[4:])]
     if missing:
-        raise RuntimeError(f"stream.faust_batches: {type(consumer).__name__} lacks {missing}: "
+        raise RuntimeError(f"stream.worker.faust_batches: {type(consumer).__name__} lacks {missing}: "
                            f"not the consumer of faust-streaming {FAUST_VERSION}")
 
 

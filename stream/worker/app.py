@@ -1,13 +1,13 @@
 """Wiring of one `mmcache serve` process: the Faust app, its agent and table, the HTTP API.
 
 Data flow: HTTP writes -> event topic (partitioned by endpoint) -> Faust's consumer, whole
-fetched batches (``stream.faust_batches``) -> ``StateKeeper`` (``stream.keeper``: the
+fetched batches (``stream.worker.faust_batches``) -> ``StateKeeper`` (``stream.worker.keeper``: the
 pure fold) -> in-memory view for ``/v1/match`` and, entry by entry, the Faust table's
-RocksDB files and compacted changelog (``stream.table_mirror``), from which any worker
+RocksDB files and compacted changelog (``stream.worker.table_mirror``), from which any worker
 recovers. After every recovery (start, rebalance) the owned partitions are reloaded from
-the table and the others are followed from the changelog (``stream.follower``), both
-through ``stream.view_load``, so the view answers for every endpoint throughout;
-``stream.readiness`` tells ``/readyz`` and ``/metrics`` how far it lags the log
+the table and the others are followed from the changelog (``stream.worker.follower``), both
+through ``stream.state.view_load``, so the view answers for every endpoint throughout;
+``stream.worker.readiness`` tells ``/readyz`` and ``/metrics`` how far it lags the log
 (``stream.kafka.log_probe``). Nothing here holds logic of its own.
 """
 
@@ -27,31 +27,31 @@ from aiohttp import web
 from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
-from stream.auth import open_token_file
 from stream.config import Settings
 from stream.core.cache import CacheState
-from stream.datadir import TABLE_NAME, DataDir
-from stream.faust_batches import (
+from stream.http.api import HttpApi
+from stream.http.auth import open_token_file
+from stream.kafka.clients import client_options, faust_credentials
+from stream.kafka.dead_letters import DeadLetterWriter
+from stream.kafka.log_probe import EventLogProbe
+from stream.kafka.publisher import EventPublisher
+from stream.kafka.topics import ensure_dead_letter_topic
+from stream.metrics import Metrics
+from stream.state.datadir import TABLE_NAME, DataDir
+from stream.state.preload import LocalPreload
+from stream.worker.faust_batches import (
     PromptTableManager,
     committed_offset,
     confirm_owner,
     owner_generation,
     seek,
 )
-from stream.faust_batches import install as install_batch_path
-from stream.follower import ChangelogFollower
-from stream.http_api import HttpApi
-from stream.kafka.clients import client_options, faust_credentials
-from stream.kafka.dead_letters import DeadLetterWriter
-from stream.kafka.log_probe import EventLogProbe
-from stream.kafka.publisher import EventPublisher
-from stream.kafka.topics import ensure_dead_letter_topic
-from stream.keeper import StateKeeper
-from stream.metrics import Metrics
-from stream.preload import LocalPreload
-from stream.readiness import Readiness
-from stream.stall_watch import StallWatch
-from stream.table_mirror import (
+from stream.worker.faust_batches import install as install_batch_path
+from stream.worker.follower import ChangelogFollower
+from stream.worker.keeper import StateKeeper
+from stream.worker.readiness import Readiness
+from stream.worker.stall_watch import StallWatch
+from stream.worker.table_mirror import (
     MappingMirror,
     Mirror,
     StateNotStored,
@@ -64,7 +64,7 @@ from stream.table_mirror import (
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
            "TableMirror", "build_worker", "faust_settings", "rewind_stalled"]
 
-# Events reach the handler in whole fetched batches (stream.faust_batches) of at most
+# Events reach the handler in whole fetched batches (stream.worker.faust_batches) of at most
 # MAX_POLL_RECORDS over all partitions; each partition's batch costs two round trips
 # (the ownership check, the changelog's ack), so larger batches apply more events a
 # second (one worker from a full topic: ~23k events/s at 1,000, ~30k at 4,000, no more
@@ -152,7 +152,7 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
         "table_standby_replicas": 0,
         "topic_disable_leader": True,
         "autodiscover": False,
-        "TableManager": PromptTableManager,  # no 1 s sleep at start (stream.faust_batches)
+        "TableManager": PromptTableManager,  # no 1 s sleep at start (stream.worker.faust_batches)
         "topic_replication_factor": settings.replication_factor or 1,
         **timings,
     }
@@ -161,7 +161,7 @@ def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -
 async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
                          watch: StallWatch, now: float) -> list[int]:
     """Outside rebalances, fetch again each owned partition of ``topic`` that ``watch``
-    finds stalled (behind the log's end, applied offset unmoved: ``stream.stall_watch``)
+    finds stalled (behind the log's end, applied offset unmoved: ``stream.worker.stall_watch``)
     from the view's applied offset, or from the committed offset when that is lower (a
     batch handled but not acknowledged before a rebalance: its offsets must come again to
     be acknowledged); return those partitions. A rebalance starts the watch afresh."""

@@ -3,7 +3,7 @@ live view: a reload of an owned partition (from the table's RocksDB file) and a 
 partition's re-read (from the changelog) both go through ``load_partition_into_view``.
 
 It swaps each endpoint's LRU and engine view whole and drops what the records lack only
-at the end (``stream.store.load_partition_in_slices``), so the view keeps answering from
+at the end (``stream.state.store.load_partition_in_slices``), so the view keeps answering from
 what it held until the new entries replace it, and the loop turns every
 ``RELOAD_SLICE_ENTRIES`` (one go held it ~3.5 s at 1M entries; the engine records, read
 in one go before the views were swapped as their keys end, 1.4 s at 1M).
@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Iterable
 
 from stream.core.cache import CacheState
-from stream.store import load_partition_in_slices
+from stream.state.store import load_partition_in_slices
 
 __all__ = ["RELOAD_SLICE_ENTRIES", "drop_partition_in_slices", "load_partition_into_view"]
 

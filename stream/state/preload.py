@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from stream.core.cache import CacheState, Capacity
-from stream.datadir import DataDir
-from stream.store import FAUST_OFFSET_KEY, load_partition
+from stream.state.datadir import DataDir
+from stream.state.store import FAUST_OFFSET_KEY, load_partition
 
 __all__ = ["LocalPreload"]
 

@@ -14,8 +14,7 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from stream import api_models
-from stream.codec import encode_event
+from stream.core.codec import encode_event
 from stream.core.events import (
     EndpointDeleted,
     EndpointsSynced,
@@ -27,7 +26,8 @@ from stream.core.events import (
     ItemsPlaced,
 )
 from stream.core.items import Item
-from stream.openapi import build_document
+from stream.http import models as api_models
+from stream.http.openapi import build_document
 
 __all__ = ["EXAMPLES", "render", "write"]
 

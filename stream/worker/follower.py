@@ -6,12 +6,12 @@ A partition this worker starts to follow (at start, after a rebalance, or when i
 position is out of range) is re-read from the changelog's first record into a store of
 its own, aside, while the view keeps answering from what it held; once the re-read has
 reached the changelog's end, the partition is loaded into the view in one pass
-(``stream.view_load``: each LRU swapped whole, ordered by the rank stored with each
+(``stream.state.view_load``: each LRU swapped whole, ordered by the rank stored with each
 entry, so a changelog written in key order by a seeded start gives the owner's recency
 order too). After that, changes are applied as they come, in the owner's fold order.
 The owner's applied-offset record is mirrored into the view's applied offsets, from
 which the view's lag on a followed partition is told. Engine views are followed the same
-way, from their own records (``stream.store``: the view's, and its entries').
+way, from their own records (``stream.state.store``: the view's, and its entries').
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import TopicPartition
 
 from stream.core.cache import CacheState
-from stream.store import (
+from stream.state.store import (
     APPLIED_KEY,
     ChangelogGate,
     decode_applied,
@@ -36,7 +36,7 @@ from stream.store import (
     encode_applied,
     is_engine_key,
 )
-from stream.view_load import load_partition_into_view
+from stream.state.view_load import load_partition_into_view
 
 __all__ = ["ChangelogFollower", "Reread"]
 

@@ -1,5 +1,5 @@
 """The agent's logic: each record of the event topic folded into the view (the same rule
-as ``rebuild``, ``stream.admission``), mirrored to the store, or dead-lettered; and the
+as ``rebuild``, ``stream.core.admission``), mirrored to the store, or dead-lettered; and the
 reload of owned partitions from their stores after a recovery.
 """
 
@@ -11,14 +11,14 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from stream.admission import Applied, Rejected, fold_record
+from stream.core.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Effects
 from stream.core.events import EngineEventsReported, Event
 from stream.kafka.dead_letters import DeadLetter
 from stream.metrics import Metrics
-from stream.preload import LocalPreload
-from stream.table_mirror import Mirror
-from stream.view_load import load_partition_into_view
+from stream.state.preload import LocalPreload
+from stream.state.view_load import load_partition_into_view
+from stream.worker.table_mirror import Mirror
 
 __all__ = ["APPLY_SLICE", "DeadLetterSink", "StateKeeper"]
 
@@ -69,7 +69,7 @@ class _Record(NamedTuple):
 
 
 class StateKeeper:
-    """The agent's logic: fold a record into the view (``stream.admission``, the same rule
+    """The agent's logic: fold a record into the view (``stream.core.admission``, the same rule
     as ``rebuild``), mirror it to the store, dead-letter and count what is skipped.
 
     ``partitions`` is the event topic's partition count, against which an endpoint's
@@ -98,7 +98,7 @@ class StateKeeper:
         labelled counter's increment per event was ~4% of the worker's ingest time).
 
         Returns how many it took: all, or with ``records_per_slice`` those up to the one
-        whose store records (``stream.store.effect_records``) reached that many."""
+        whose store records (``stream.state.store.effect_records``) reached that many."""
         state, mirror, partitions = self.state, self.mirror, self.partitions
         applied: dict[str, int] = {}
         redelivered = taken = made = 0

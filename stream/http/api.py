@@ -13,11 +13,11 @@ With a token file, writes and ``/v1/state`` (and, with its own file, ``/v1/match
 whose file is not set is built without it, so open ``/v1/match`` pays nothing for it.
 
 No request holds the event loop for more than a few milliseconds (CONTRACT): a big body
-is read in a child process (``stream.body_reader``), extraction stops at the limits
-(``stream.bodies``), a match's answer is bounded (``max_match_pairs``) and a wide one is
+is read in a child process (``stream.http.body_reader``), extraction stops at the limits
+(``stream.http.bodies``), a match's answer is bounded (``max_match_pairs``) and a wide one is
 built in slices with the loop turning between them; an event the log could never take
 is refused before it is sent; and a request aiohttp cannot parse is answered without
-what it held (``stream.aiohttp_guard``).
+what it held (``stream.http.aiohttp_guard``).
 """
 
 from __future__ import annotations
@@ -33,22 +33,22 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from stream import aiohttp_guard
-from stream.api_models import EndpointDeletedRequest, ReadinessBody, check_placement
-from stream.auth import TokenFile
-from stream.bodies import ApiError, endpoint_event, engine_events, invalid, match_query, placement
-from stream.body_reader import BodyReader
-from stream.codec import encode_event
 from stream.config import Limits
 from stream.core.cache import CacheState
+from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
 from stream.core.items import InvalidField, Item
 from stream.core.render import answer_ends, gather, held_by, match_entries, render_match
-from stream.digest import digest_without_blocking
+from stream.http import aiohttp_guard
+from stream.http.auth import TokenFile
+from stream.http.bodies import ApiError, endpoint_event, engine_events, invalid, match_query, placement
+from stream.http.body_reader import BodyReader
+from stream.http.digest import digest_without_blocking
+from stream.http.models import EndpointDeletedRequest, ReadinessBody, check_placement
+from stream.http.openapi import openapi_document
 from stream.kafka.clients import MAX_REQUEST_BYTES, record_bytes
 from stream.kafka.publisher import EventPublisher, LogUnavailable
 from stream.metrics import Metrics
-from stream.openapi import openapi_document
 
 __all__ = ["ApiError", "HttpApi", "render_match"]
 
@@ -242,7 +242,7 @@ class HttpApi:
     async def match(self, request: web.Request) -> web.StreamResponse:
         """Score candidate endpoints by the request items they probably hold.
 
-        The body is read by ``stream.bodies.match_query`` (on the loop when small, else
+        The body is read by ``stream.http.bodies.match_query`` (on the loop when small, else
         in the child process). A match of a few pairs is answered in one go; a wider one
         by ``_wide_match``.
         """
@@ -460,7 +460,7 @@ class HttpApi:
 
     async def readyz(self, request: web.Request) -> web.Response:
         """CONTRACT's readiness body: 200 when ready, else 503 (``is_ready`` gives the body,
-        ``stream.readiness``; a plain bool gives one without lag figures)."""
+        ``stream.worker.readiness``; a plain bool gives one without lag figures)."""
         body = self.is_ready()
         if isinstance(body, bool):
             body = ReadinessBody(status="ready" if body else "not_ready",

@@ -68,7 +68,7 @@ def install() -> None:
     version = tuple(int(part) for part in aiohttp.__version__.split(".")[:2])
     low, high = PINNED
     if not low <= version < high:
-        raise RuntimeError(f"stream.aiohttp_guard replaces RequestHandler.handle_error of aiohttp "
+        raise RuntimeError(f"stream.http.aiohttp_guard replaces RequestHandler.handle_error of aiohttp "
                            f">={low[0]}.{low[1]},<{high[0]}; installed: aiohttp {aiohttp.__version__}. "
                            "Install a release in that range, or re-read aiohttp/web_protocol.py")
     handler = web_protocol.RequestHandler

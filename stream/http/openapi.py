@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 document of the HTTP API, built from the pydantic models of
-``stream.api_models`` (the ones ``schemas/`` is written from), so the two cannot drift.
+``stream.http.models`` (the ones ``schemas/`` is written from), so the two cannot drift.
 
 A running service serves the document of its own configuration: a route behind a
 token file declares the bearer scheme as required, an open one declares none. A unit
@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from stream import api_models
+from stream.http import models as api_models
 
 __all__ = ["ROUTES", "build_document", "openapi_document"]
 
