@@ -164,19 +164,22 @@ class _BareProtocol(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             assert self.transport is not None
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n"
+                                 b"connection: close\r\n\r\n")
             self.transport.close()
 
     def on_body(self, body: bytes) -> None:
+        """A piece of the body (httptools' callback)."""
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        """The request came whole: answer it."""
         orjson.loads(b"".join(self.body))
         self.body.clear()
         payload = orjson.dumps(self.answer)
         assert self.transport is not None
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                             % (len(payload), payload))
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%b" % (len(payload), payload))
 
 
 async def _serve_protocol(port: int, answer: Any) -> None:
@@ -223,6 +226,7 @@ class StackServer:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        """End it (killed if it does not end within 10 s)."""
         self.process.terminate()
         try:
             self.process.wait(10)
@@ -339,7 +343,8 @@ def stack_figures(stacks: tuple[str, ...], seconds: int, rounds: int, latency_at
                 servers[kind] = StackServer(kind, answer)
             expected = orjson.loads(answer.read_bytes())
             for server in servers.values():
-                got = urllib.request.urlopen(urllib.request.Request(server.wait(first).url, data=first)).read()
+                url = server.wait(first).url
+                got = urllib.request.urlopen(urllib.request.Request(url, data=first)).read()
                 if orjson.loads(got) != expected:
                     raise RuntimeError(f"{server.kind} answers otherwise than the others")
             rates: dict[str, list[float]] = {kind: [] for kind in stacks}
