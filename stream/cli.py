@@ -14,35 +14,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import logging
 import os
-import signal
-import socket
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pydantic import ValidationError
 
-from stream.compiled import warn_stale
 from stream.config import (
     ConfigError,
     KafkaSecurity,
     Limits,
-    PluginConfig,
+    Resolved,
     Settings,
     describe_validation_error,
     load_plugin_config,
 )
-from stream.event_loop import new_event_loop
-from stream.http.auth import refuse_open_writes
-from stream.kafka.embedded import EmbeddedBroker
-from stream.logs import install_repeat_filter
+from stream.logs import FORMAT, apply_log_level, install_repeat_filter
 from stream.sim.commands import add_commands as add_sim_commands
 
-__all__ = ["effective_configuration", "main"]
+__all__ = ["main"]
 
 log = logging.getLogger("mmcache")
 
@@ -51,18 +44,6 @@ _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topi
                 *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
                 "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
                 "shutdown_timeout_s", "max_lag_events", "match_source", "log_level")
-_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Libraries whose INFO lines (group joins, partition tables, every service starting)
-# are noise for an operator; they speak at WARNING unless --log-level debug.
-_CHATTY = ("faust", "mode", "aiokafka", "kafka", "rocksdict", "venusian")
-
-
-class Resolved(NamedTuple):
-    """Settings and where the capacity came from (for the effective-configuration line)."""
-
-    settings: Settings
-    capacity_source: str
-    plugin: PluginConfig | None
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -106,308 +87,6 @@ def _settings(args: argparse.Namespace) -> Resolved:
         raise SystemExit(f"configuration error: {exc}") from None
 
 
-def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
-                            partitions: int, changelog: str) -> str:
-    """The one line `serve` logs at start: everything it runs with, secrets masked
-    (a SASL password and the tokens are never written, only whether they are set)."""
-    settings = resolved.settings
-    capacity = settings.capacity
-    if capacity.mode == "items":
-        mb = settings.cache_size_mb_per_server
-        derived = (f"items mode, {capacity.per_endpoint} entries per endpoint "
-                   f"(cacheSizeInMBPerServer {mb if mb and mb > 0 else 2048} MiB / 2 MiB an item")
-        derived += ")"
-    else:
-        derived = (f"size mode, item sizes summing to at most {capacity.per_endpoint} per endpoint "
-                   "(cacheSizeInEmbeddingsPerServer)")
-    kafka = settings.kafka
-    security = kafka.security_protocol
-    if kafka.sasl_mechanism:
-        security += (f" (SASL {kafka.sasl_mechanism}, user {kafka.sasl_username}, password "
-                     f"{'****' if kafka.sasl_password is not None else 'not set'})")
-    if kafka.ssl_cafile:
-        security += f", CA file {kafka.ssl_cafile}"
-    limits = settings.limits
-    scheme = "https" if settings.tls_cert else "http"
-    parts = [
-        f"app id {settings.app_id}",
-        f"topics {settings.events_topic} ({partitions} partitions), {changelog}, "
-        f"{settings.dead_letter_topic}",
-        f"capacity {derived} from {resolved.capacity_source}",
-        ("broker embedded on " + bootstrap + " (its log kept in the data dir, for development)")
-        if embedded
-        else f"broker {bootstrap}",
-        f"kafka security {security}",
-        f"data dir {settings.data_dir.resolve()}",
-        f"HTTP {scheme}://{settings.host}:{settings.port}",
-        "auth for writes and /v1/state " + (f"on (tokens from {settings.auth_token_file})"
-                                            if settings.auth_token_file else "off"),
-        *(["writes open on purpose (--allow-unauthenticated-writes)"]
-          if settings.allow_unauthenticated_writes and not settings.auth_token_file else []),
-        "auth for /v1/match " + (f"on (tokens from {settings.match_auth_token_file})"
-                                 if settings.match_auth_token_file else "off"),
-        f"produce timeout {settings.produce_timeout_s:g} s",
-        f"shutdown timeout {settings.shutdown_timeout_s:g} s",
-        "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
-        f"match source {settings.match_source}, engine views of at most "
-        f"{settings.engine_view_max_entries} entries",
-        f"limits body {limits.max_body_bytes} bytes, {limits.max_endpoints} endpoints, "
-        f"{limits.max_placement_endpoints} per placement, {limits.max_total_endpoints} in the view, "
-        f"{limits.max_items} items, {limits.max_endpoint_chars} chars a name, "
-        f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
-        f"{limits.max_references} media references, {limits.max_match_pairs} match pairs, "
-        f"{limits.max_engine_events} engine events",
-        f"log level {settings.log_level}",
-    ]
-    if resolved.plugin is not None:
-        parts.append(f"--config {resolved.plugin.describe()}")
-    return "effective configuration: " + "; ".join(parts)
-
-
-def _refuse_taken_port(host: str, port: int) -> None:
-    """Fail before anything starts when the HTTP port cannot be bound (aiohttp would
-    fail only after the broker, the topics and Faust were started)."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise SystemExit(f"--port {port}: the port is in use on {host}: stop the process that "
-                                 "holds it, or choose another --port") from None
-            raise SystemExit(f"--host {host} --port {port}: cannot listen there ({exc.strerror}): "
-                             "check --host and --port") from None
-
-
-def _refuse_file_as_data_dir(path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise SystemExit(f"--data-dir {path} is a file, not a directory: give a directory "
-                         "(a missing one is created)")
-
-
-def _logging_config(level: str) -> dict[str, Any]:
-    """Faust resets logging when its worker starts; this is what it sets up instead: our
-    format on stderr, the libraries at WARNING unless ``level`` is debug."""
-    quiet = "DEBUG" if level == "debug" else "WARNING"
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": _FORMAT}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain",
-                                "stream": "ext://sys.stderr"}},
-        "root": {"level": level.upper(), "handlers": ["stderr"]},
-        "loggers": {name: {"level": quiet} for name in _CHATTY},
-    }
-
-
-def _serve(args: argparse.Namespace) -> None:
-    """Run a worker until SIGINT/SIGTERM, in this order: refuse a data dir that is not
-    ours, take its lock (a second serve on it is refused before anything else; a missing
-    dir is made and locked only after the next two checks), refuse a port that is taken,
-    find the cluster (ask the given one for its id, or start the embedded broker and give
-    it back the log kept in the data dir), claim the dir
-    (cluster check), start reading the local state, keep the embedded broker's log,
-    log the effective configuration, run Faust with a bound on its shutdown; then stop
-    Faust, the log's journal and the broker, in that order."""
-    from stream.kafka.fetcher import shorten_prefetch_backoff
-    from stream.kafka.tansu import apply_remedies, is_tansu_id
-    from stream.kafka.topics import changelog_topic, ensure_topics
-    from stream.state.datadir import DataDir
-    from stream.state.preload import LocalPreload
-    from stream.state.rebuild import seed_deployment
-    from stream.worker.shutdown import guard_worker
-
-    resolved = _settings(args)
-    settings = resolved.settings
-    _apply_log_level(settings.log_level)
-    refuse_open_writes(settings)  # protected by default: the one line, before anything else
-    warn_stale(log)  # a compiled module older than its source (a stale in-place build)
-    if resolved.plugin is not None:
-        log.info("--config %s", resolved.plugin.describe())
-    _refuse_file_as_data_dir(settings.data_dir)
-    datadir = DataDir(settings.data_dir)
-    datadir.refuse_foreign()  # before the lock file is added to a dir that is not ours
-    if datadir.root.exists():
-        datadir.lock()  # a second serve on a live dir stops here, before anything else
-    _refuse_taken_port(settings.host, settings.port)
-    broker = journal = kept_log = None
-    bootstrap = settings.bootstrap_servers
-    if bootstrap:
-        cluster = _cluster_id(bootstrap, settings)
-    # a missing dir is made only once the checks above passed, and locked before any broker
-    datadir.root.mkdir(parents=True, exist_ok=True)
-    datadir.lock()
-    if not bootstrap:
-        broker, kept_log = _start_embedded(datadir, settings)
-        bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
-    loop = new_event_loop()
-    try:
-        datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
-                                       settings.engine_view_max_entries),
-                      cluster_id=cluster)
-        # Forked before any thread runs and before Faust is imported. A seeded dir is
-        # rewritten first, so it is not preloaded.
-        preload = None if datadir.seed.exists() else LocalPreload(datadir, settings.capacity).start()
-        from stream.worker.app import build_worker
-
-        embedded = is_tansu_id(cluster)
-        if embedded:
-            apply_remedies()
-        shorten_prefetch_backoff()
-        try:
-            partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
-        except ValueError as exc:
-            raise SystemExit(f"configuration error: {exc}") from None
-        changelog = changelog_topic(settings.app_id)
-        if kept_log is not None:
-            journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
-        log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
-                                               changelog))
-        if resolved.capacity_source == "default":
-            log.warning(
-                "capacity is the Go plugin's default guess (%d items per endpoint), of the "
-                "order of what a vLLM server's processor cache (4 GiB) and prefix cache (KV "
-                "blocks) keep, the layers that save the most; do not shrink it to the encoder "
-                "cache (8,192 embeddings). With item sizes, set "
-                "--cache-size-embeddings-per-server to the prefix cache's share of items, at "
-                "least 456522; 'mmcache tune' replays your log per layer (docs/simulation.md)",
-                settings.capacity.per_endpoint)
-        if datadir.seed.exists():
-            loop.run_until_complete(
-                seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
-            )
-        worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
-                              preload=preload,
-                              stored=None if journal is None else journal.wait_stored,
-                              log_problem=lambda: None if journal is None else journal.problem())
-        worker.logging_config = _logging_config(settings.log_level)
-        # On the forced path the local files are kept (RUNNING released): they are written
-        # only once the changelog holds their records, so they are never ahead of it. With
-        # the embedded broker, only once the kept log holds that changelog too.
-        guard_worker(worker, settings.shutdown_timeout_s,
-                     [lambda: _release(datadir, journal, 0.5)])
-        worker.execute_from_commandline()
-    except SystemExit as exc:
-        if not exc.code:
-            _release(datadir, journal, settings.shutdown_timeout_s)
-        raise
-    finally:
-        if journal is not None:
-            journal.stop()
-        if broker is not None:
-            broker.stop()
-
-
-def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, Any]:
-    """Start serve's own broker with the cluster id of the log the data dir keeps (a new
-    one for a new dir) and give it that log back, offsets and all; refuse a dir built
-    against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
-    from stream.kafka.embedded_log import EmbeddedLog
-
-    kept = datadir.embedded_cluster()  # refuses a state of another cluster first
-    log_files = EmbeddedLog(datadir.log_root)
-    broker = _start_broker(EmbeddedBroker(cluster_id=kept))
-    log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker (Tansu) on "
-                "%s for development; its log is kept in %s", broker.bootstrap_servers,
-                log_files.root)
-    try:
-        if kept is None:
-            log_files.create(broker.cluster_id)
-        else:
-            if datadir.running.exists():  # killed: its table files are dropped (claim)
-                log_files.cut_unfinished_changelogs()
-            restored = asyncio.run(log_files.restore(broker.bootstrap_servers))
-            log.info("embedded broker's log restored from %s: %s", log_files.root,
-                     ", ".join(f"{topic} {n} records" for topic, n in restored.items()) or "empty")
-    except BaseException:
-        broker.stop()
-        raise
-    return broker, log_files
-
-
-def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, changelog: str,
-                       partitions: int) -> Any:
-    """Record the app's topics in the kept log and start its journal on them."""
-    from stream.kafka.embedded_log import Journal
-    from stream.kafka.topics import (
-        CHANGELOG_TOPIC_CONFIG,
-        DEAD_LETTER_TOPIC_CONFIG,
-        EVENTS_TOPIC_CONFIG,
-    )
-
-    topics = {settings.events_topic: (partitions, EVENTS_TOPIC_CONFIG),
-              changelog: (partitions, CHANGELOG_TOPIC_CONFIG),
-              settings.dead_letter_topic: (partitions, DEAD_LETTER_TOPIC_CONFIG)}
-    kept = log_files.topics()
-    log_files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
-                            changelogs={changelog: settings.events_topic})
-    try:
-        return Journal(log_files, bootstrap, list(topics)).start()
-    except RuntimeError as exc:
-        raise SystemExit(f"cannot keep the embedded broker's log in {log_files.root}: "
-                         f"{exc}") from None
-
-
-def _release(datadir: Any, journal: Any, timeout_s: float) -> None:
-    """Mark a clean stop, so the next start keeps the local table files; with the
-    embedded broker only once the kept log holds everything the broker does (else the
-    next start restores the files from the kept changelog)."""
-    if journal is None or journal.drain(timeout_s):
-        datadir.release()
-
-
-def _cluster_id(bootstrap: str, settings: Settings) -> str:
-    """The cluster's id, asked on a loop of its own that is closed with its resolver
-    threads (the local state's readers are forked afterwards). aiokafka's own error
-    lines are held back: the one line below says it all."""
-    from stream.kafka.tansu import cluster_id
-
-    client_log = logging.getLogger("aiokafka")
-    level = client_log.level
-    if not log.isEnabledFor(logging.DEBUG):
-        client_log.setLevel(logging.CRITICAL)
-    try:
-        return asyncio.run(cluster_id(bootstrap, settings.kafka))
-    except Exception as exc:  # any failure to reach the cluster is one line, not a traceback
-        raise SystemExit(f"cannot reach the Kafka cluster at {bootstrap} ({exc or type(exc).__name__}): "
-                         "check --bootstrap-servers and the MMCACHE_KAFKA_* settings") from None
-    finally:
-        client_log.setLevel(level)
-
-
-def _start_broker(broker: EmbeddedBroker) -> EmbeddedBroker:
-    try:
-        return broker.start()
-    except (OSError, RuntimeError) as exc:
-        raise SystemExit(f"cannot start the embedded broker on {broker.bootstrap_servers}: "
-                         f"{exc}") from None
-
-
-def _broker(args: argparse.Namespace) -> None:
-    """Run the broker in the foreground; SIGTERM and SIGINT stop it (and the child with
-    it: a child left running would hold the port and the memory)."""
-    from stream.kafka.embedded import STANDALONE_CLUSTER_PREFIX
-
-    # its own cluster id prefix: a dir built on it is never taken for serve's own broker's
-    broker = _start_broker(EmbeddedBroker(port=args.port, host=args.host,
-                                          prefix=STANDALONE_CLUSTER_PREFIX))
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, _exit_on_signal)
-    print(f"embedded Kafka-protocol broker listening on {broker.bootstrap_servers}", flush=True)
-    try:
-        code = broker.wait()
-    finally:
-        broker.stop()
-    raise SystemExit(f"the embedded broker exited with {code}" if code else 0)
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def _until(text: str | None) -> Any:
     from stream.state.rebuild import Until
 
@@ -431,14 +110,27 @@ async def _topic_names(bootstrap: str, security: KafkaSecurity) -> set[str]:
         await admin.close()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from stream.serve import serve
+
+    serve(_settings(args))
+
+
+def _broker(args: argparse.Namespace) -> None:
+    from stream.serve import run_broker
+
+    run_broker(args.host, args.port)
+
+
 def _rebuild(args: argparse.Namespace) -> None:
+    from stream.serve import reach_cluster, refuse_file_as_data_dir
     from stream.state.rebuild import rebuild
 
     until = _until(args.until)
     settings = _settings(args).settings
-    _refuse_file_as_data_dir(settings.data_dir)
+    refuse_file_as_data_dir(settings.data_dir)
     bootstrap = settings.bootstrap_servers or ""
-    _cluster_id(bootstrap, settings)
+    reach_cluster(bootstrap, settings)
     topics = asyncio.run(_topic_names(bootstrap, settings.kafka))
     if settings.events_topic not in topics:
         ours = sorted(name for name in topics if name.endswith("-events"))
@@ -648,12 +340,6 @@ class _DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _apply_log_level(level: str) -> None:
-    logging.getLogger().setLevel(level.upper())
-    for name in _CHATTY:
-        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
-
-
 def _debug_wanted(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("MMCACHE_DEBUG", "") not in (
         "", "0", "false", "no")
@@ -662,10 +348,10 @@ def _debug_wanted(args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `mmcache` command: any failure is one line on stderr and a
     non-zero exit; ``--debug`` (or MMCACHE_DEBUG=1) shows the traceback instead."""
-    logging.basicConfig(level=logging.INFO, format=_FORMAT)
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
     install_repeat_filter()
     args = _parser().parse_args(argv)
-    _apply_log_level("info")
+    apply_log_level("info")
     debug = _debug_wanted(args)
     try:
         args.run(args)

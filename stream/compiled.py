@@ -17,7 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
-MODULES = ("stream.core.items", "stream.core.cache", "stream.core.render")
+MODULES = ("stream.core.items", "stream.core.lru", "stream.core.fold", "stream.core.index",
+           "stream.core.loading", "stream.core.digests", "stream.core.render")
 
 # A source checkout: the extensions sit beside a source that may change after the build.
 # An installed wheel holds copies written together, whose times say nothing.
@@ -40,16 +41,19 @@ def pure_python() -> list[str]:
 
 def stale(project: Path = PROJECT) -> list[tuple[str, Path, Path]]:
     """(module, extension, source) for every extension under ``project`` (a source
-    checkout, with its setup.py) that is older than its ``.py`` source."""
+    checkout, with its setup.py) that is older than its ``.py`` source, or that is no
+    longer compiled at all (a module that left :data:`MODULES`: its old build would
+    still be imported instead of the source)."""
     if not (project / "setup.py").exists():
         return []
     found = []
-    for name in MODULES:
-        built = _origin(name)
-        if built is None or not _is_extension(built) or not built.is_relative_to(project):
+    for built in sorted((project / "stream").rglob("*")):
+        if not _is_extension(built):
             continue
-        source = built.with_name(name.rpartition(".")[2] + ".py")
-        if source.exists() and source.stat().st_mtime > built.stat().st_mtime:
+        stem = built.name.split(".", 1)[0]
+        source = built.with_name(stem + ".py")
+        name = ".".join(source.relative_to(project).with_suffix("").parts)
+        if source.exists() and (name not in MODULES or source.stat().st_mtime > built.stat().st_mtime):
             found.append((name, built, source))
     return found
 
@@ -58,9 +62,9 @@ def warn_stale(log: logging.Logger) -> list[str]:
     """Log one warning for each compiled module older than its source; return them."""
     names = []
     for name, built, source in stale():
-        log.warning("%s runs from %s, which is older than its source %s: the compiled copy "
-                    "runs, not the source's changes; rebuild with `pip install -e .` (or delete "
-                    "the .so to run the source)", name, built.name, source)
+        log.warning("%s runs from %s, which is older than its source %s or no longer compiled: "
+                    "the compiled copy runs, not the source's changes; rebuild with `pip install "
+                    "-e .` (or delete the .so to run the source)", name, built.name, source)
         names.append(name)
     return names
 
@@ -73,7 +77,8 @@ def main() -> int:
         print(f"WARNING: mmcache runs the pure-Python core for {', '.join(plain)} (not compiled: "
               "no C compiler or no Cython at install); same answers, 1.01-1.12x slower", file=sys.stderr)
     for _name, built, source in old:
-        print(f"WARNING: {built} is older than {source}: rebuild with `pip install -e .`", file=sys.stderr)
+        print(f"WARNING: {built} is older than {source} or no longer compiled: rebuild with "
+              "`pip install -e .`, or delete it", file=sys.stderr)
     if not plain and not old:
         print(f"mmcache: compiled core ({', '.join(MODULES)})")
     return 0

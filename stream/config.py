@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -22,6 +22,7 @@ __all__ = [
     "KafkaSecurity",
     "Limits",
     "PluginConfig",
+    "Resolved",
     "Settings",
     "describe_validation_error",
     "load_plugin_config",
@@ -341,3 +342,11 @@ def describe_validation_error(exc: ValidationError) -> str:
             model, loc = ("Limits" if loc[0] == "limits" else "KafkaSecurity"), loc[1:]
         parts.append(f"{setting_names(model, loc[0])}: {message}")
     return "; ".join(parts)
+
+
+class Resolved(NamedTuple):
+    """Settings and where the capacity came from (for the effective-configuration line)."""
+
+    settings: Settings
+    capacity_source: str
+    plugin: PluginConfig | None

@@ -13,8 +13,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["RepeatFilter", "install_repeat_filter"]
+__all__ = ["CHATTY", "FORMAT", "RepeatFilter", "apply_log_level", "install_repeat_filter",
+           "logging_config"]
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Libraries whose INFO lines (group joins, partition tables, every service starting)
+# are noise for an operator; they speak at WARNING unless --log-level debug.
+CHATTY = ("faust", "mode", "aiokafka", "kafka", "rocksdict", "venusian")
 
 
 class RepeatFilter(logging.Filter):
@@ -65,3 +72,26 @@ def install_repeat_filter(logger: logging.Logger | None = None, window_s: float 
     for handler in target.handlers:
         if not any(isinstance(f, RepeatFilter) for f in handler.filters):
             handler.addFilter(RepeatFilter(window_s))
+
+
+def logging_config(level: str) -> dict[str, Any]:
+    """Faust resets logging when its worker starts; this is what it sets up instead: our
+    format on stderr, the libraries at WARNING unless ``level`` is debug."""
+    quiet = "DEBUG" if level == "debug" else "WARNING"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": FORMAT}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain",
+                                "stream": "ext://sys.stderr"}},
+        "root": {"level": level.upper(), "handlers": ["stderr"]},
+        "loggers": {name: {"level": quiet} for name in CHATTY},
+    }
+
+
+
+def apply_log_level(level: str) -> None:
+    """The root logger at ``level``, the chatty libraries at WARNING unless debug."""
+    logging.getLogger().setLevel(level.upper())
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

@@ -33,7 +33,24 @@ __all__ = ["StageCost", "reference_module", "stage_costs"]
 @cache
 def reference_module(name: str) -> ModuleType:
     """Module ``name`` executed from its ``.py`` source, never compiled, as
-    ``<name>_reference``; what it imports is the installed (compiled) code."""
+    ``<name>_reference``, and so is every compiled module it imports (the core's types
+    are split over several modules: a reference ``stream.core.cache`` on the compiled
+    fold would compare the compiled code with itself). What else it imports is the
+    installed code."""
+    from stream.compiled import MODULES
+
+    importlib.import_module("stream.core")  # the installed core first: what is not
+    saved = {module: importlib.import_module(module) for module in MODULES}  # swapped stays so
+    try:
+        for module in MODULES:  # in dependency order: each sees the ones before it
+            sys.modules[module] = _from_source(module)
+        return _from_source(name)
+    finally:
+        sys.modules.update(saved)
+
+
+@cache
+def _from_source(name: str) -> ModuleType:
     installed = importlib.import_module(name)
     source = Path(installed.__file__ or "").with_name(name.rpartition(".")[2] + ".py")
     spec = importlib.util.spec_from_file_location(f"{name}_reference", source)

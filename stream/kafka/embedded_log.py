@@ -31,6 +31,7 @@ import re
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -147,18 +148,23 @@ def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
     return records, ends
 
 
-def applied_prefix(records: list[LogRecord], end: int) -> int:
+#: The applied offset a changelog record holds, ``None`` for any other record (the state's
+#: record format, ``stream.state.store.applied_at``: given by the caller, this package
+#: being below the state's).
+AppliedAt = Callable[[bytes | None, bytes | None], int | None]
+
+
+def applied_prefix(records: list[LogRecord], end: int, applied_at: AppliedAt) -> int:
     """How many of a changelog partition's records to keep when its event partition
     holds offsets below ``end`` only: up to its last applied-offset record below ``end``
     (before any at or past it). What follows may hold entries of events the kept log
     lost (a kill between the broker's acknowledgement and the journal's write) or an
     unfinished batch; the events the kept log does hold are applied again after it."""
-    from stream.state.store import APPLIED_KEY, decode_applied
-
     keep = 0
     for index, record in enumerate(records):
-        if record.key == APPLIED_KEY and record.value is not None:
-            if decode_applied(record.value) >= end:
+        applied = applied_at(record.key, record.value)
+        if applied is not None:
+            if applied >= end:
                 break
             keep = index + 1
     return keep
@@ -235,7 +241,7 @@ class EmbeddedLog:
         handle.seek(length)
         return handle, (records[-1].offset + 1 if records else 0)
 
-    def cut_unfinished_changelogs(self) -> int:
+    def cut_unfinished_changelogs(self, applied_at: AppliedAt) -> int:
         """After a kill: cut each changelog partition after its last applied-offset record
         whose event the kept log holds (``applied_prefix``); return the records cut. The
         table files are dropped after a kill anyway, so they restore from what is kept."""
@@ -251,7 +257,7 @@ class EmbeddedLog:
                 if not path.exists():
                     continue
                 records, ends = _frames(path.read_bytes())
-                keep = applied_prefix(records, end)
+                keep = applied_prefix(records, end, applied_at)
                 if keep < len(records):
                     with open(path, "r+b") as handle:
                         handle.truncate(ends[keep - 1] if keep else 0)

@@ -314,7 +314,7 @@ def capacity_for_layer(truth: Truth, events: Sequence[tuple[Position, Event]], s
     of the layer's capacity in embeddings (its capacity over the log's mean weight per
     embedding: the encoder cache size itself), or, for items without sizes, items mode of
     its capacity over the mean weight per item (the encoder: ``encoder_cache_size /
-    mean_item_embeddings``, as ``stream.core.capacity.capacity_for_encoder_cache``)."""
+    mean_item_embeddings``)."""
     items = embeddings = weight = 0
     for _, event in events:
         if isinstance(event, ItemsPlaced):

@@ -33,6 +33,7 @@ __all__ = [
     "APPLIED_KEY",
     "ChangelogGate",
     "FAUST_OFFSET_KEY",
+    "applied_at",
     "decode_applied",
     "decode_change",
     "effect_records",
@@ -111,6 +112,11 @@ def encode_applied(offset: int) -> bytes:
 def decode_applied(raw: bytes) -> int:
     """Inverse of ``encode_applied``."""
     return int(_OFFSET.unpack(raw)[0])
+
+
+def applied_at(key: bytes | None, value: bytes | None) -> int | None:
+    """The applied offset a changelog record holds; ``None`` for an entry's record."""
+    return decode_applied(value) if key == APPLIED_KEY and value is not None else None
 
 
 def encode_faust_offset(offset: int) -> bytes:

@@ -9,7 +9,7 @@ import asyncio
 import gc
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from stream.core.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Effects
@@ -60,14 +60,6 @@ class _Letters(list[DeadLetter]):
         self.append(letter)
 
 
-class _Record(NamedTuple):
-    """One record as ``apply_batch`` reads it (Kafka's records have these attributes)."""
-
-    offset: int
-    key: bytes | None
-    value: bytes | None
-
-
 class StateKeeper:
     """The agent's logic: fold a record into the view (``stream.core.admission``, the same rule
     as ``rebuild``), mirror it to the store, dead-letter and count what is skipped.
@@ -84,11 +76,6 @@ class StateKeeper:
         self.partitions = partitions
         self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else _Letters()
         self._rejected: dict[str, int] = {}
-
-    def apply_record(self, partition: int, offset: int, raw: bytes | None,
-                     key: bytes | None = None) -> None:
-        """Apply one record of the event topic (``apply_batch`` of one)."""
-        self.apply_batch(partition, [_Record(offset, key, raw)])
 
     def apply_batch(self, partition: int, records: Iterable[Any],
                     records_per_slice: int | None = None) -> int:

@@ -12,6 +12,7 @@ from stream.core.admission import Applied, Rejected, fold_record
 from stream.core.cache import CacheState, Capacity
 from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
+from stream.core.fold import Fold
 from stream.core.items import Item
 from stream.core.routing import key_partition
 
@@ -70,13 +71,19 @@ def test_a_sync_applies_on_any_partition_without_a_key():
                                       PARTS), Applied)
 
 
-class Exploding(CacheState):
+class ExplodingFold(Fold):
     def _place(self, event, position, effects):
         raise RuntimeError("boom")
 
 
+def exploding_state() -> CacheState:
+    state = CacheState(CAPACITY)
+    state.fold = ExplodingFold(state.lrus)
+    return state
+
+
 def test_a_fold_that_raises_is_rejected_as_apply_failed_and_the_next_record_applies():
-    state = Exploding(CAPACITY)
+    state = exploding_state()
     outcome = fold_record(state, home("ns/pod-0"), 3, KEY, encode_event(PLACED), PARTS)
     assert isinstance(outcome, Rejected)
     assert outcome.reason == "apply_failed"

@@ -760,7 +760,7 @@ class _HashCount:
     """Counts the strings the digest code feeds its hashes (one per entry hashed)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import stream.core.cache as cache_module
+        import stream.core.digests as cache_module
 
         self.count = 0
         real = cache_module._put

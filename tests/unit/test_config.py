@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from stream.cli import Resolved, effective_configuration
 from stream.config import (
     ConfigError,
     KafkaSecurity,
+    Resolved,
     Settings,
     describe_validation_error,
     load_plugin_config,
 )
+from stream.serve import effective_configuration
 
 # The gateway configuration as the plugin's documentation writes it, with the other
 # plugins and the scheduling profiles around it.

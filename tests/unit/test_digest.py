@@ -11,9 +11,8 @@ import asyncio
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-import stream.core.cache as cache_module
+import stream.core.digests as cache_module
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
@@ -22,6 +21,7 @@ from stream.http.api import HttpApi
 from stream.http.digest import ENTRIES_PER_SLICE, digest_without_blocking
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
+from tests.unit.served import served
 
 
 def filled(endpoints: int, entries: int) -> CacheState:
@@ -88,7 +88,7 @@ def test_get_state_never_hashes_more_than_one_slice_between_loop_turns(monkeypat
     holds = LoopHolds(monkeypatch)
 
     async def get_state() -> dict:
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             response = await client.get("/v1/state")
             return orjson.loads(await response.read())
 

@@ -13,7 +13,7 @@ from stream.kafka.embedded_log import (
     is_log_entry,
     read_frames,
 )
-from stream.state.store import APPLIED_KEY, encode_applied
+from stream.state.store import APPLIED_KEY, applied_at, encode_applied
 
 RECORDS = [
     LogRecord(0, 1_700_000_000_000, 0, b"ns/pod-a", b'{"v":1}', (("mmcache.reason", b"x"),)),
@@ -83,12 +83,12 @@ def _changelog(*applied: int) -> list[LogRecord]:
 def test_a_changelog_is_kept_up_to_its_last_applied_record_the_event_log_holds(end, keep):
     """Applied offsets 1, 3, 5: an event log ending below an applied offset cuts the
     changelog before that batch (its entries may be of events the kept log lost)."""
-    assert applied_prefix(_changelog(1, 3, 5), end) == keep
+    assert applied_prefix(_changelog(1, 3, 5), end, applied_at) == keep
 
 
 def test_an_unfinished_batch_after_the_last_applied_record_is_cut():
     records = _changelog(1, 3) + [LogRecord(4, 0, 0, b"\x01entry", b"e")]
-    assert applied_prefix(records, 10) == 4
+    assert applied_prefix(records, 10, applied_at) == 4
 
 
 def test_after_a_kill_the_changelog_is_cut_where_the_kept_events_end(tmp_path):
@@ -100,7 +100,7 @@ def test_after_a_kill_the_changelog_is_cut_where_the_kept_events_end(tmp_path):
     files.partition_path("app-events", 0).write_bytes(b"".join(map(encode_frame, events)))
     changelog = _changelog(1, 3, 5)  # event 5's batch reached the journal, event 5 did not
     files.partition_path("app-lru-changelog", 0).write_bytes(b"".join(map(encode_frame, changelog)))
-    assert files.cut_unfinished_changelogs() == 2
+    assert files.cut_unfinished_changelogs(applied_at) == 2
     assert files.records("app-lru-changelog", 0) == changelog[:4]
     assert files.records("app-events", 0) == events
-    assert files.cut_unfinished_changelogs() == 0
+    assert files.cut_unfinished_changelogs(applied_at) == 0

@@ -24,6 +24,7 @@ from stream.state.rebuild import seed_records, write_state
 from stream.state.store import (
     APPLIED_KEY,
     ChangelogGate,
+    applied_at,
     endpoint_records,
     engine_records,
     load_partition_in_slices,
@@ -100,7 +101,7 @@ def test_a_seeded_changelog_read_back_equals_live(drawn, data):
                                              follower.rereads.pop(partition).records()))
         resuming._take(partition, fed)
         if partition in state.applied:  # a kept log cut at the applied record keeps them all
-            assert applied_prefix(fed, state.applied[partition] + 1) == len(fed)
+            assert applied_prefix(fed, state.applied[partition] + 1, applied_at) == len(fed)
     assert_same(rereads, state)
     assert_same(follower.view, state)
     # a follower already past its re-read applies them as they come, in key order: the

@@ -129,3 +129,15 @@ def test_an_extension_older_than_its_source_is_found_and_serve_warns_of_it(tmp_p
 
 def test_an_installed_copy_is_not_checked_against_times(tmp_path):
     assert compiled.stale(tmp_path) == []  # no setup.py beside the package: a wheel's copies
+
+
+def test_an_extension_of_a_module_no_longer_compiled_is_found_whatever_its_time(tmp_path):
+    (tmp_path / "setup.py").write_text("")
+    core = tmp_path / "stream" / "core"
+    core.mkdir(parents=True)
+    (core / "cache.py").write_text("")
+    (core / f"cache{SUFFIX}").write_bytes(b"")  # newer than its source, but left from an older list
+    (core / "items.py").write_text("")
+    os.utime(core / "items.py", (1, 1))
+    (core / f"items{SUFFIX}").write_bytes(b"")  # compiled and up to date: not stale
+    assert compiled.stale(tmp_path) == [("stream.core.cache", core / f"cache{SUFFIX}", core / "cache.py")]

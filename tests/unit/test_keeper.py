@@ -27,6 +27,12 @@ from stream.worker.app import MappingMirror, StateKeeper
 from stream.worker.keeper import APPLY_SLICE
 from tests.unit.test_store import Scenario, scenarios, view
 
+
+def apply_one(keeper: StateKeeper, partition: int, offset: int, raw: bytes | None,
+              key: bytes | None = None) -> None:
+    """One record of the event topic through the keeper's batch path, as Faust gives it."""
+    keeper.apply_batch(partition, [SimpleNamespace(offset=offset, key=key, value=raw)])
+
 SETTINGS = settings(max_examples=100, deadline=None)
 
 
@@ -53,7 +59,7 @@ def key_of(raw: bytes | None) -> bytes | None:
 
 def feed(keeper: StateKeeper, records) -> None:
     for offset, raw in records:
-        keeper.apply_record(0, offset, raw, key_of(raw))
+        apply_one(keeper, 0, offset, raw, key_of(raw))
 
 
 def fold(scenario: Scenario) -> CacheState:
@@ -296,18 +302,18 @@ def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
     digest, table = keeper.state.digest(), dict(table_of(keeper))
     entries = {k: v for k, v in table.items() if k != APPLIED_KEY}
 
-    keeper.apply_record(0, 2, raw)
+    apply_one(keeper, 0, 2, raw)
     assert sample(keeper, "mmcache_malformed_events_total") == 1
     assert keeper.state.applied == {0: 2}
     assert keeper.state.digest() == digest
     assert {k: v for k, v in table_of(keeper).items() if k != APPLIED_KEY} == entries
     assert events_counted(keeper) == 2
 
-    keeper.apply_record(0, 2, raw)  # redelivered: not counted again
+    apply_one(keeper, 0, 2, raw)  # redelivered: not counted again
     assert sample(keeper, "mmcache_malformed_events_total") == 1
     assert keeper.state.digest() == digest
 
-    keeper.apply_record(0, 3, encode_event(PLACE_C), b"ns/other")
+    apply_one(keeper, 0, 3, encode_event(PLACE_C), b"ns/other")
     assert view(keeper.state) == {"ns/pod": [("a", 1), ("b", 2)], "ns/other": [("a", 1)]}
     assert keeper.state.applied == {0: 3}
     assert decode_applied(table_of(keeper)[APPLIED_KEY]) == 3
@@ -320,7 +326,7 @@ def test_version_field_defaults_to_1_so_a_record_without_it_applies():
     keeper = keeper_for(Capacity("items", 4))
     doc = orjson.loads(encode_event(PLACE_A))
     del doc["v"]
-    keeper.apply_record(0, 0, orjson.dumps(doc), b"ns/pod")
+    apply_one(keeper, 0, 0, orjson.dumps(doc), b"ns/pod")
     assert sample(keeper, "mmcache_malformed_events_total") == 0
     assert view(keeper.state) == {"ns/pod": [("a", 1)]}
 
@@ -328,7 +334,7 @@ def test_version_field_defaults_to_1_so_a_record_without_it_applies():
 def test_malformed_record_at_an_old_offset_is_a_redelivery_not_malformed():
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
-    keeper.apply_record(0, 1, b"garbage")
+    apply_one(keeper, 0, 1, b"garbage")
     assert sample(keeper, "mmcache_malformed_events_total") == 0
     assert keeper.state.applied == {0: 1}
 
@@ -351,11 +357,11 @@ def test_records_not_applied_become_dead_letters_counted_by_reason_and_later_one
     home = key_partition(b"ns/pod", parts)
     wrong = (home + 1) % parts
     placed = encode_event(PLACE_A)
-    keeper.apply_record(home, 0, b"not json", b"ns/pod")
-    keeper.apply_record(home, 1, _with(PLACE_A, v=99), b"ns/pod")
-    keeper.apply_record(home, 2, placed, b"ns/other")
-    keeper.apply_record(wrong, 0, placed, b"ns/pod")
-    keeper.apply_record(home, 3, placed, b"ns/pod")
+    apply_one(keeper, home, 0, b"not json", b"ns/pod")
+    apply_one(keeper, home, 1, _with(PLACE_A, v=99), b"ns/pod")
+    apply_one(keeper, home, 2, placed, b"ns/other")
+    apply_one(keeper, wrong, 0, placed, b"ns/pod")
+    apply_one(keeper, home, 3, placed, b"ns/pod")
     assert view(keeper.state) == {"ns/pod": [("a", 1)]}
     assert [(d.partition, d.offset, d.key, d.reason) for d in keeper.dead_letters] == [
         (home, 0, b"ns/pod", "not_json"), (home, 1, b"ns/pod", "unknown_version"),
@@ -372,7 +378,7 @@ def test_records_not_applied_become_dead_letters_counted_by_reason_and_later_one
     assert keeper.state.applied == {home: 3, wrong: 0}
     # the skipped record's offset is durable too: a reload does not deliver it again
     assert decode_applied(keeper.mirror.stores[wrong][APPLIED_KEY]) == 0
-    keeper.apply_record(wrong, 0, placed, b"ns/pod")  # redelivered
+    apply_one(keeper, wrong, 0, placed, b"ns/pod")  # redelivered
     assert len(keeper.dead_letters) == 4
 
 
@@ -392,7 +398,7 @@ def test_reload_turns_the_loop_between_slices():
     for offset in range(16):
         items = [Item(f"h{offset}-{i}", 1, "image") for i in range(1024)]
         raw = encode_event(ItemsPlaced(endpoint=f"ns/pod-{offset}", items=items))
-        keeper.apply_record(0, offset, raw, key_of(raw))
+        apply_one(keeper, 0, offset, raw, key_of(raw))
     table = table_of(keeper)
     fresh = keeper_for(keeper.state.capacity)
 

@@ -1,5 +1,7 @@
-"""The package's import graph has no circles: every import counts, also those inside a
-function (a lazy import hides a circle from Python, not from the reader)."""
+"""The package's import graph reads as the design: no circles, arrows that point down
+from one room to the rooms below it, and a core that imports nothing from the outside.
+Every import counts, also those inside a function (a lazy import hides a circle from
+Python, not from the reader)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,30 @@ import ast
 from pathlib import Path
 
 STREAM = Path(__file__).resolve().parents[2] / "stream"
+
+
+# The rooms, lowest first: each may import only the rooms before it. Loose modules
+# (config, metrics, logs, event_loop, compiled, internals) serve every room and import
+# only the core.
+ROOMS = ["core", "kafka", "state", "http", "worker", "sim", "bench", "serve", "cli"]
+# What the pure core must never import (nor any module of theirs).
+OUTSIDE = ("aiokafka", "faust", "mode", "rocksdict", "aiohttp", "asyncio", "socket", "subprocess",
+           "threading", "prometheus_client", "uvicorn", "granian", "httptools")
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "stream"
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
 
 
 def _graph() -> dict[str, set[str]]:
@@ -75,3 +101,30 @@ def test_the_finder_finds_a_circle():
 
 def test_no_module_of_stream_imports_itself_through_others():
     assert _circles(_graph()) == []
+
+
+def test_arrows_point_down_from_room_to_room():
+    wrong = []
+    for module, targets in _graph().items():
+        room = _room(module)
+        for target in targets:
+            other = _room(target)
+            if other == room or other == "stream":
+                continue
+            if room in ROOMS and other in ROOMS:
+                if ROOMS.index(other) > ROOMS.index(room):
+                    wrong.append(f"{module} -> {target}")
+            elif room not in ROOMS and room != "stream" and other != "core" and other in ROOMS:
+                wrong.append(f"{module} (loose) -> {target}")
+    assert wrong == []
+
+
+def test_every_module_is_in_a_room_or_one_of_the_loose_ones():
+    loose = {"config", "metrics", "logs", "event_loop", "compiled", "internals", "stream"}
+    assert {_room(module) for module in _graph()} == set(ROOMS) | loose
+
+
+def test_the_core_imports_nothing_from_outside():
+    found = {f"{path.name}: {name}" for path in (STREAM / "core").glob("*.py")
+             for name in _imports(path) if name.split(".")[0] in OUTSIDE}
+    assert found == set()

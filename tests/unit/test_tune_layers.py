@@ -26,7 +26,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream.core.cache import Capacity
-from stream.core.capacity import capacity_for_encoder_cache
 from stream.core.events import ItemsPlaced
 from stream.core.items import Item
 from stream.sim.commands import add_commands
@@ -202,10 +201,10 @@ def test_bytes_per_embedding_moves_the_processor_capacity_and_bad_values_are_ref
 
 def test_a_layers_own_capacity_is_the_encoder_cache_size_rule_for_the_encoder():
     sized = placement_log([("ns/a", [_image("a", 700)]), ("ns/a", [_image("b", 1300)])])
-    assert capacity_for_layer(Truth("encoder", 8192), sized, True) == capacity_for_encoder_cache(8192)
+    assert capacity_for_layer(Truth("encoder", 8192), sized, True) == Capacity("size", 8192)
     unsized = placement_log([("ns/a", [Item("a", 1, "image")]), ("ns/a", [Item("b", 1, "image")])])
     truth = Truth("encoder", 8192, ItemModel(mean_embeddings=2048))
-    assert capacity_for_layer(truth, unsized, False) == capacity_for_encoder_cache(8192, 2048) == Capacity("items", 4)
+    assert capacity_for_layer(truth, unsized, False) == Capacity("items", 4)  # 8,192 / 2,048
     processor = Truth("processor", 4 * GIB, ItemModel(mean_embeddings=2048))
     assert capacity_for_layer(processor, unsized, False) == Capacity("items", 4 * GIB // (2048 * 9408))
 
