@@ -11,7 +11,9 @@ Stacks: ``aiohttp`` (AppRunner + TCPSite, the worker's server), ``uvicorn``
 (``uvicorn.Server.serve`` with httptools, a raw ASGI callable), ``granian-rsgi`` and
 ``granian-asgi`` (``granian.server.embed.Server``, its Rust I/O thread pinned to the
 same core), and ``protocol`` (an ``asyncio.Protocol`` over httptools' parser, made by
-hand: an upper bound for any Python-side server on this loop).
+hand: an upper bound for any Python-side server on this loop), and ``server``, the bare
+handler on ``stream.http.server``, the service's own server (the match benchmark's
+same-stack control).
 
 Run: ``python -m stream.bench.stacks [--seconds 10] [--rounds 5] [--latency]``.
 The wrk harness here (``wrk_rate``, ``wrk_paced_latency``) is the one the match
@@ -52,7 +54,7 @@ __all__ = ["LOAD_CORE", "SERVER_CORE", "STACKS", "StackServer", "bench_inputs", 
            "wrk_paced_latency", "wrk_rate"]
 
 SERVER_CORE, LOAD_CORE = "0", "1"
-STACKS = ("aiohttp", "uvicorn", "granian-rsgi", "granian-asgi", "protocol")
+STACKS = ("aiohttp", "uvicorn", "granian-rsgi", "granian-asgi", "protocol", "server")
 _JSON = "application/json"
 
 
@@ -189,6 +191,35 @@ async def _serve_protocol(port: int, answer: Any) -> None:
         await server.serve_forever()
 
 
+class _BareRoutes:
+    """``stream.http.server``'s routes with one bare endpoint, answered at once."""
+
+    max_body = 1 << 24
+
+    def __init__(self, answer: Any) -> None:
+        from stream.http.server import Endpoint, Response
+
+        def now(request: Any) -> Any:
+            orjson.loads(b"".join(request.chunks))
+            return Response(orjson.dumps(answer))
+
+        async def handle(request: Any) -> Any:
+            return now(request)
+
+        self.endpoint = Endpoint(handle, lambda request: Response(b"{}", 413), None, now)
+
+    def resolve(self, method: str, path: str) -> Any:
+        """The bare endpoint, whatever the path."""
+        return self.endpoint
+
+
+async def _serve_server(port: int, answer: Any) -> None:
+    from stream.http.server import HttpServer
+
+    await HttpServer(_BareRoutes(answer)).start("127.0.0.1", port)  # type: ignore[arg-type]
+    await asyncio.Event().wait()
+
+
 def serve(kind: str, port: int, answer_path: Path) -> None:
     """Run the bare server ``kind`` in this process on uvloop, as the worker runs."""
     answer = orjson.loads(answer_path.read_bytes())
@@ -198,6 +229,7 @@ def serve(kind: str, port: int, answer_path: Path) -> None:
         "granian-rsgi": lambda: _serve_granian(port, answer, "rsgi"),
         "granian-asgi": lambda: _serve_granian(port, answer, "asgi"),
         "protocol": lambda: _serve_protocol(port, answer),
+        "server": lambda: _serve_server(port, answer),
     }
     event_loop.run(servers[kind]())
 

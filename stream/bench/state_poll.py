@@ -19,10 +19,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from aiohttp.test_utils import TestClient, TestServer
+import aiohttp
 
 from stream.bench.figures import Figure
-from stream.bench.match import _WRK_SCRIPT, Server, _ms, _wrk, full_state
+from stream.bench.match import Server, full_state
+from stream.bench.stacks import WRK_SCRIPT, wrk, wrk_ms
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.http.api import HttpApi
@@ -40,12 +41,12 @@ def paced_latency(url: str, bodies: Path, rate: float, seconds: int) -> tuple[fl
     """p99 and max latency (ms) of a paced wrk run (see ``match.wrk_paced_latency``)."""
     connections = max(1, round(rate / 100))
     pause_ms = 1000 * connections / rate
-    script = _WRK_SCRIPT % bodies + (
+    script = WRK_SCRIPT % bodies + (
         f"delay = function() return math.floor(-math.log(1 - math.random()) * {pause_ms:.3f} + 0.5) end\n")
-    out = _wrk(url, script, seconds, connections, "--latency")
-    p99 = _ms(re.search(r"\s99%\s+([\d.]+)(us|ms|s)\b", out))
+    out = wrk(url, script, seconds, connections, "--latency")
+    p99 = wrk_ms(re.search(r"\s99%\s+([\d.]+)(us|ms|s)\b", out))
     stats = re.search(r"Latency\s+[\d.]+(?:us|ms|s)\s+[\d.]+(?:us|ms|s)\s+([\d.]+)(us|ms|s)", out)
-    return p99, _ms(stats)
+    return p99, wrk_ms(stats)
 
 
 class StatePoller(threading.Thread):
@@ -85,26 +86,31 @@ def longest_state_hold_ms(events: int, calls: int = 3) -> tuple[float, float]:
 
     async def measure() -> list[float]:
         holds = []
-        async with TestClient(TestServer(api.application())) as client:
-            for _ in range(calls):
-                done = asyncio.Event()
-                longest = 0.0
+        server = api.server()
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+                for _ in range(calls):
+                    done = asyncio.Event()
+                    longest = 0.0
 
-                async def tick(done: asyncio.Event = done) -> None:
-                    nonlocal longest
-                    last = time.perf_counter()
-                    while not done.is_set():
-                        await asyncio.sleep(0)
-                        now = time.perf_counter()
-                        longest, last = max(longest, now - last), now
+                    async def tick(done: asyncio.Event = done) -> None:
+                        nonlocal longest
+                        last = time.perf_counter()
+                        while not done.is_set():
+                            await asyncio.sleep(0)
+                            now = time.perf_counter()
+                            longest, last = max(longest, now - last), now
 
-                ticker = asyncio.create_task(tick())
-                await asyncio.sleep(0)
-                response = await client.get("/v1/state")
-                await response.read()
-                done.set()
-                await ticker
-                holds.append(longest * 1000)
+                    ticker = asyncio.create_task(tick())
+                    await asyncio.sleep(0)
+                    response = await client.get("/v1/state")
+                    await response.read()
+                    done.set()
+                    await ticker
+                    holds.append(longest * 1000)
+        finally:
+            await server.close()
         return holds
 
     holds = asyncio.run(measure())

@@ -1,4 +1,4 @@
-"""The HTTP API of CONTRACT on aiohttp.
+"""The HTTP API of CONTRACT, served by ``stream.http.server`` on the worker's loop.
 
 ``/v1/match`` answers from the in-memory view and never touches Kafka: each endpoint
 from its engine view (what it reported its own cache holds) or from its LRU (the
@@ -16,8 +16,8 @@ No request holds the event loop for more than a few milliseconds (CONTRACT): a b
 is read in a child process (``stream.http.body_reader``), extraction stops at the limits
 (``stream.http.bodies``), a match's answer is bounded (``max_match_pairs``) and a wide one is
 built in slices with the loop turning between them; an event the log could never take
-is refused before it is sent; and a request aiohttp cannot parse is answered without
-what it held (``stream.http.aiohttp_guard``).
+is refused before it is sent; and a request the server cannot parse is answered without
+what it held (``stream.http.server``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from stream.config import Limits
@@ -39,22 +37,31 @@ from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
 from stream.core.items import InvalidField, Item
 from stream.core.render import answer_ends, gather, held_by, match_entries, render_match
-from stream.http import aiohttp_guard
 from stream.http.auth import TokenFile
-from stream.http.bodies import ApiError, endpoint_event, engine_events, invalid, match_query, placement
+from stream.http.bodies import (
+    ApiError,
+    MatchQuery,
+    endpoint_event,
+    engine_events,
+    invalid,
+    match_query,
+    placement,
+)
 from stream.http.body_reader import BodyReader
 from stream.http.digest import digest_without_blocking
 from stream.http.models import EndpointDeletedRequest, ReadinessBody, check_placement
 from stream.http.openapi import openapi_document
+from stream.http.server import Endpoint, HttpServer, Request, Response, Routes
 from stream.kafka.clients import MAX_REQUEST_BYTES, record_bytes
 from stream.kafka.publisher import EventPublisher, LogUnavailable
 from stream.metrics import Metrics
 
-__all__ = ["ApiError", "HttpApi", "render_match"]
+__all__ = ["ApiError", "ApiRoutes", "HttpApi", "render_match"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[Request], Awaitable[Response]]
+Now = Callable[[Request], Response | None]
 
 # A match of at most this many endpoint x item pairs is answered in one go (~1 ms at
 # most on the 2-core test machine, the bench's 64 x 8 ~0.1 ms); a wider one in slices
@@ -65,11 +72,11 @@ _SLICE_PAIRS = 4096
 _SLICE_BYTES = 128 * 1024
 
 
-def _json(payload: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status)
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
+def _error(status: int, code: str, message: str) -> Response:
     return _json({"error": {"code": code, "message": message}}, status)
 
 
@@ -78,6 +85,7 @@ _UNAUTHORIZED = orjson.dumps({"error": {
     "message": "missing or invalid bearer token: send 'Authorization: Bearer <token>'"}})
 _INTERNAL = orjson.dumps({"error": {
     "code": "internal_error", "message": "the request failed inside the service; nothing was written"}})
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="mmcache"'}
 
 
 def check_record_size(event: ItemsPlaced | EndpointsSynced | EngineEventsReported) -> None:
@@ -91,6 +99,33 @@ def check_record_size(event: ItemsPlaced | EndpointsSynced | EngineEventsReporte
                        f"the event would be a {size}-byte Kafka record, over the {MAX_REQUEST_BYTES} "
                        "bytes the event log takes (the producer's max_request_size): send fewer "
                        "items or endpoints, or shorter hashes, modalities or request_id")
+
+
+class ApiRoutes(Routes):
+    """The routes as ``stream.http.server`` asks for them: ``{path: {method: endpoint}}``
+    (a GET route takes HEAD too), and CONTRACT's JSON 404 or 405 (with ``Allow``) for
+    every other request, counted and timed as the route ``unmatched``."""
+
+    def __init__(self, table: dict[str, dict[str, Endpoint]], unmatched: Callable[[str], Endpoint],
+                 max_body: int) -> None:
+        self.table = table
+        self.max_body = max_body
+        self._not_found = unmatched("")
+        self._not_allowed = {path: unmatched(", ".join(sorted(methods))) for path, methods in table.items()}
+
+    def resolve(self, method: str, path: str) -> Endpoint:
+        """The endpoint of ``method`` on ``path``, else the one answering 404 or 405."""
+        methods = self.table.get(path)
+        if methods is None:
+            return self._not_found
+        endpoint = methods.get(method)
+        if endpoint is None and method == "HEAD":
+            endpoint = methods.get("GET")
+        return endpoint if endpoint is not None else self._not_allowed[path]
+
+    def routes(self) -> set[tuple[str, str]]:
+        """Every (method, path) served (HEAD aside: it mirrors GET)."""
+        return {(method, path) for path, methods in self.table.items() for method in methods}
 
 
 class HttpApi:
@@ -118,149 +153,146 @@ class HttpApi:
         self.match_tokens = match_tokens
         self.bodies = BodyReader(limits)
 
-    def application(self) -> web.Application:
-        """Build the aiohttp application with every route of CONTRACT.
-
-        Errors and timing wrap each handler (``_route``) instead of being an aiohttp
-        middleware: any middleware makes aiohttp run its chain, and one of its own, on
-        every request. A catch-all route keeps 404 and 405 answers in CONTRACT's JSON.
+    def routes(self) -> ApiRoutes:
+        """Every route of CONTRACT, each answering its errors as CONTRACT's JSON, timed
+        and counted by route (``_endpoint``).
 
         ``/healthz`` and ``/readyz`` are open (probes carry no token); so are ``/metrics``
         (Prometheus scrapes pods without credentials by default; it holds counts and pod
         names, never item hashes, and changes nothing) and ``/openapi.json`` (the public
         contract, the same for every deployment).
         """
-        aiohttp_guard.install()
-        app = web.Application(client_max_size=self.limits.max_body_bytes,
-                              handler_args=aiohttp_guard.handler_args())
-        app.on_cleanup.append(self._close)
-        add_post, add_get, route = app.router.add_post, app.router.add_get, self._route
-        writes, matches = self.write_tokens, self.match_tokens
-        add_post("/v1/match", route("/v1/match", self.match, matches))
-        add_post("/v1/placements", route("/v1/placements", self.placements, writes))
-        add_post("/v1/endpoint-events", route("/v1/endpoint-events", self.endpoint_events, writes))
-        add_post("/v1/engine-events", route("/v1/engine-events", self.engine_events, writes))
-        add_get("/v1/state", route("/v1/state", self.state_summary, writes))
-        add_get("/healthz", route("/healthz", self.healthz))
-        add_get("/readyz", route("/readyz", self.readyz))
-        add_get("/metrics", route("/metrics", self.metrics_text))
-        add_get("/openapi.json", route("/openapi.json", self.openapi))
-        known = list(app.router.resources())
-        app.router.add_route("*", "/{path:.*}", self._route("unmatched", self._unrouted(known)))
-        return app
+        endpoint, writes, matches = self._endpoint, self.write_tokens, self.match_tokens
+        table = {
+            "/v1/match": {"POST": endpoint("/v1/match", self.match, matches, now=self.match_now)},
+            "/v1/placements": {"POST": endpoint("/v1/placements", self.placements, writes)},
+            "/v1/endpoint-events": {"POST": endpoint("/v1/endpoint-events", self.endpoint_events, writes)},
+            "/v1/engine-events": {"POST": endpoint("/v1/engine-events", self.engine_events, writes)},
+            "/v1/state": {"GET": endpoint("/v1/state", self.state_summary, writes)},
+            "/healthz": {"GET": endpoint("/healthz", self.healthz, now=self.healthz_now)},
+            "/readyz": {"GET": endpoint("/readyz", self.readyz, now=self.readyz_now)},
+            "/metrics": {"GET": endpoint("/metrics", self.metrics_text)},
+            "/openapi.json": {"GET": endpoint("/openapi.json", self.openapi)},
+        }
+        return ApiRoutes(table, self._unmatched, self.limits.max_body_bytes)
 
-    def _route(self, name: str, handler: Handler, tokens: TokenFile | None = None) -> Handler:
-        """``handler`` answering every error as CONTRACT's JSON body, timed by route, and
-        behind a bearer token when ``tokens`` is given (checked before anything is read)."""
+    def server(self) -> HttpServer:
+        """The HTTP server of these routes; closing it stops the body reader's child too."""
+        return HttpServer(self.routes(), on_close=self.bodies.close)
+
+    def _endpoint(self, name: str, handler: Handler, tokens: TokenFile | None = None,
+                  now: Now | None = None) -> Endpoint:
+        """``handler`` (and its synchronous ``now``, tried first) answering every error as
+        CONTRACT's JSON body, timed by route, and behind a bearer token when ``tokens`` is
+        given (checked once the headers came, before anything of the body is read)."""
         timer, count = self.metrics.request_timer(name), self.metrics.count_request
-        too_large = f"body over {self.limits.max_body_bytes} bytes (max_body_bytes)"
-        if tokens is not None:
-            handler = self._guarded(handler, tokens)
+        too_large_body = orjson.dumps({"error": {"code": "body_too_large", "message":
+                                       f"body over {self.limits.max_body_bytes} bytes (max_body_bytes)"}})
 
-        async def handle(request: web.Request) -> web.StreamResponse:
-            started = time.perf_counter()
-            try:
-                response = await handler(request)
-            except ApiError as exc:
-                response = _error(exc.status, exc.code, exc.message)
-            except web.HTTPRequestEntityTooLarge:
-                response = _error(413, "body_too_large", too_large)
-            except web.HTTPException as exc:
-                response = _error(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
-                if "Allow" in exc.headers:  # a 405 says which methods the path takes
-                    response.headers["Allow"] = exc.headers["Allow"]
-            except Exception:
-                log.exception("unexpected error on %s", name)
-                response = web.Response(body=_INTERNAL, status=500, content_type="application/json")
+        def answered(response: Response, started: float) -> Response:
             timer.observe(time.perf_counter() - started)
             count(name, response.status)
             return response
 
-        return handle
+        def failed(exc: Exception) -> Response:
+            if isinstance(exc, ApiError):
+                return _error(exc.status, exc.code, exc.message)
+            log.exception("unexpected error on %s", name)
+            return Response(_INTERNAL, 500)
 
-    @staticmethod
-    def _guarded(handler: Handler, tokens: TokenFile) -> Handler:
-        """401 with ``WWW-Authenticate: Bearer`` unless the request carries a valid token."""
+        async def handle(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                response = await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every failure is CONTRACT's JSON
+                response = failed(exc)
+            return answered(response, started)
 
-        async def guarded(request: web.Request) -> web.StreamResponse:
-            if not tokens.allows(request.headers.get("Authorization")):
-                return web.Response(body=_UNAUTHORIZED, status=401, content_type="application/json",
-                                    headers={"WWW-Authenticate": 'Bearer realm="mmcache"'})
-            return await handler(request)
+        def at_once(request: Request) -> Response | None:
+            started = time.perf_counter()
+            try:
+                response = now(request)  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001
+                response = failed(exc)
+            return None if response is None else answered(response, started)
 
-        return guarded
+        def too_large(request: Request) -> Response:
+            return answered(Response(too_large_body, 413), time.perf_counter())
 
-    @staticmethod
-    def _unrouted(known: list[web.AbstractResource]) -> Handler:
-        """405 when a route has this path but not this method, else 404, as aiohttp's
-        router decides when no route matches."""
+        def head(request: Request) -> Response | None:
+            if tokens.allows(request.headers.get("authorization")):  # type: ignore[union-attr]
+                return None
+            return answered(Response(_UNAUTHORIZED, 401, headers=_CHALLENGE), time.perf_counter())
 
-        async def refuse(request: web.Request) -> web.StreamResponse:
-            allowed: set[str] = set()
-            for resource in known:
-                allowed |= (await resource.resolve(request))[1]
-            if allowed:
-                raise web.HTTPMethodNotAllowed(request.method, allowed)
-            raise web.HTTPNotFound()
+        return Endpoint(handle, too_large, head if tokens is not None else None,
+                        at_once if now is not None else None)
 
-        return refuse
+    def _unmatched(self, allow: str) -> Endpoint:
+        """404 (``allow`` empty: no route has this path) or 405 naming the methods the
+        path takes, answered once the headers came (the body is dropped)."""
+        if allow:
+            methods = set(allow.split(", "))
+            if "GET" in methods:
+                methods.add("HEAD")
+            answer = orjson.dumps({"error": {"code": "method_not_allowed", "message": "Method Not Allowed"}})
+            status, headers = 405, {"Allow": ",".join(sorted(methods))}
+        else:
+            answer = orjson.dumps({"error": {"code": "not_found", "message": "Not Found"}})
+            status, headers = 404, None
+        count = self.metrics.count_request
+        timer = self.metrics.request_timer("unmatched")
 
-    async def _close(self, app: web.Application) -> None:
-        await self.bodies.close()
+        def refuse(request: Request) -> Response:
+            started = time.perf_counter()
+            response = Response(answer, status, headers=headers)
+            timer.observe(time.perf_counter() - started)
+            count("unmatched", status)
+            return response
 
-    async def _body(self, request: web.Request) -> list[bytes]:
-        """The body as the chunks it came in, within ``max_body_bytes``.
+        async def handle(request: Request) -> Response:
+            return refuse(request)
 
-        Not ``request.read()``: that takes whatever is buffered without a turn of the
-        loop and copies it twice (16 MiB: a ~45 ms hold); here the loop turns every
-        ``_SLICE_BYTES`` and a big body is never joined (it goes to the child in chunks).
-        """
-        limit = self.limits.max_body_bytes
-        if (request.content_length or 0) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length or 0)
-        chunks: list[bytes] = []
-        size = since = 0
-        content = request.content
-        try:
-            while chunk := await content.readany():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > limit:
-                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-                since += len(chunk)
-                if since >= _SLICE_BYTES:
-                    since = 0
-                    await asyncio.sleep(0)
-        except HttpProcessingError as exc:  # its text holds the bytes it refused: never echoed
-            raise ApiError(400, "bad_request", f"{aiohttp_guard.describe(exc)} "
-                                               f"({type(exc).__name__}); nothing was read") from None
-        except ConnectionResetError:  # nobody to answer, and nothing to log but the count
-            raise ApiError(400, "bad_request", "the connection closed before the whole body "
-                                               "came; nothing was read") from None
-        return chunks
+        return Endpoint(handle, refuse, refuse)
 
-    async def match(self, request: web.Request) -> web.StreamResponse:
+    def match_now(self, request: Request) -> Response | None:
+        """A match answered at once: its body small enough to read on the loop and its
+        answer narrow enough to build in one go; else ``None`` (``match`` answers it)."""
+        raw = self.bodies.small(request.chunks)
+        if raw is None:
+            return None
+        query = match_query(raw, self.limits)
+        if len(query.items) * len(query.endpoints) > _ONE_GO_PAIRS:
+            request.scratch = query
+            return None
+        return self._narrow_match(query)
+
+    async def match(self, request: Request) -> Response:
         """Score candidate endpoints by the request items they probably hold.
 
         The body is read by ``stream.http.bodies.match_query`` (on the loop when small, else
         in the child process). A match of a few pairs is answered in one go; a wider one
         by ``_wide_match``.
         """
-        chunks = await self._body(request)
-        raw = self.bodies.small(chunks)
-        query = match_query(raw, self.limits) if raw is not None else \
-            await self.bodies.in_child(match_query, chunks)
-        items, endpoints = query.items, query.endpoints
-        if len(items) * len(endpoints) > _ONE_GO_PAIRS:
-            return await self._wide_match(request, items, endpoints)
-        requested, found = self.state.hits(items, endpoints)
+        query = request.scratch if isinstance(request.scratch, MatchQuery) else None
+        if query is None:
+            chunks = request.chunks
+            raw = self.bodies.small(chunks)
+            query = match_query(raw, self.limits) if raw is not None else \
+                await self.bodies.in_child(match_query, chunks)
+        if len(query.items) * len(query.endpoints) > _ONE_GO_PAIRS:
+            return await self._wide_match(query.items, query.endpoints)
+        return self._narrow_match(query)
+
+    def _narrow_match(self, query: MatchQuery) -> Response:
+        items = query.items
+        requested, found = self.state.hits(items, query.endpoints)
         if self.state.engine.views or self.match_source == "engine":
             found, engine = self._engine_answer(items, requested, found)
             body = render_match(items, requested, found, engine)
         else:  # nobody reports: the estimate answers, at no extra cost
             body = render_match(items, requested, found)
         self.metrics.record_match(items, found)
-        return web.Response(body=body, content_type="application/json")
+        return Response(body)
 
     def _engine_answer(self, items: list[Item], requested: list[str],
                        found: dict[str, list[Item]]) -> tuple[dict[str, list[Item]], set[str]]:
@@ -287,8 +319,7 @@ class HttpApi:
         answer.update(truth)
         return answer, engine
 
-    async def _wide_match(self, request: web.Request, items: list[Item],
-                          endpoints: list[str]) -> web.StreamResponse:
+    async def _wide_match(self, items: list[Item], endpoints: list[str]) -> Response:
         """``render_match`` of ``CacheState.hits``, the same bytes, in slices.
 
         Which requested endpoints hold each item is read at one moment (``held_by``, in
@@ -297,7 +328,8 @@ class HttpApi:
         between them, so the view the worker goes on changing is never read half-way.
         The engine views' holders are read at the same moment and gathered, counted
         (the estimate's checks) and answered from the same way. The slices are sent as
-        they are, never joined into one answer.
+        they are (the server writes them one by one, the loop turning in between), never
+        joined into one answer.
         """
         requested = list(dict.fromkeys(endpoints))
         held = held_by(self.state.holders, items, requested)
@@ -344,23 +376,13 @@ class HttpApi:
                 await asyncio.sleep(0)
         if group:
             blobs.append(b",".join(group))
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.content_length = len(head) + sum(map(len, blobs)) + len(blobs) - 1 + len(tail)
-        try:
-            await response.prepare(request)
-            await response.write(head)
-            for index, blob in enumerate(blobs):
-                await response.write(b"," + blob if index else blob)
-                await asyncio.sleep(0)  # a socket that takes it all never makes write() wait
-            await response.write(tail)
-        except ConnectionError:  # the client went away: nothing to answer
-            pass
-        return response
+        parts = [head, *(b"," + blob if index else blob for index, blob in enumerate(blobs)), tail]
+        return Response(parts=parts)
 
-    async def _read(self, reader: Callable[[bytes, Limits], Any], request: web.Request) -> Any:
-        return await self.bodies.read(reader, await self._body(request))
+    async def _read(self, reader: Callable[[bytes, Limits], Any], request: Request) -> Any:
+        return await self.bodies.read(reader, request.chunks)
 
-    async def placements(self, request: web.Request) -> web.Response:
+    async def placements(self, request: Request) -> Response:
         """Record that a request's items were sent to endpoints (one event per endpoint)."""
         checked = await self._read(placement, request)
         try:
@@ -377,7 +399,7 @@ class HttpApi:
         check_record_size(max(events, key=lambda e: len(orjson.dumps(e.endpoint)) + len(e.endpoint.encode())))
         return _json({"events": await self._publish(self.publisher.publish(events))}, 202)
 
-    async def endpoint_events(self, request: web.Request) -> web.Response:
+    async def endpoint_events(self, request: Request) -> Response:
         """Record an endpoint deletion or a sync of the live set."""
         event = await self._read(endpoint_event, request)
         if isinstance(event, EndpointDeletedRequest):
@@ -390,7 +412,7 @@ class HttpApi:
             publish = self.publisher.publish_sync(synced)
         return _json({"events": await self._publish(publish)}, 202)
 
-    async def engine_events(self, request: web.Request) -> web.Response:
+    async def engine_events(self, request: Request) -> Response:
         """Record what a model server reports its own encoder cache did, as one event on
         the log keyed by the endpoint (its facts apply in order)."""
         checked = await self._read(engine_events, request)
@@ -416,7 +438,7 @@ class HttpApi:
             self.metrics.write_failures.labels(exc.code).inc()
             raise ApiError(503, exc.code, str(exc)) from None
 
-    async def state_summary(self, request: web.Request) -> web.Response:
+    async def state_summary(self, request: Request) -> Response:
         """Per-endpoint counts, the capacity and the digest of the whole state."""
         unknown = sorted(set(request.query) - {"limit"})
         if unknown:  # a mistyped parameter must not pass as the default
@@ -444,21 +466,25 @@ class HttpApi:
             body["total_engine_views"] = len(views.views)
         return _json(body)
 
-    async def openapi(self, request: web.Request) -> web.Response:
+    async def openapi(self, request: Request) -> Response:
         """The OpenAPI 3.1 document of this API, from the models of ``schemas/``."""
         document = openapi_document(self.write_tokens is not None, self.match_tokens is not None)
-        return web.Response(body=document, content_type="application/json")
+        return Response(document)
 
     def _ready_now(self) -> bool:
         """Whether /readyz would answer 200 now (the ``mmcache_ready`` gauge)."""
         body = self.is_ready()
         return body if isinstance(body, bool) else body.status == "ready"
 
-    async def healthz(self, request: web.Request) -> web.Response:
+    def healthz_now(self, request: Request) -> Response:
         """The process is alive."""
-        return _json({"status": "ok"})
+        return _HEALTHY
 
-    async def readyz(self, request: web.Request) -> web.Response:
+    async def healthz(self, request: Request) -> Response:
+        """The process is alive."""
+        return _HEALTHY
+
+    def readyz_now(self, request: Request) -> Response:
         """CONTRACT's readiness body: 200 when ready, else 503 (``is_ready`` gives the body,
         ``stream.worker.readiness``; a plain bool gives one without lag figures)."""
         body = self.is_ready()
@@ -468,9 +494,13 @@ class HttpApi:
                                  lag_events=None, staleness_seconds=None)
         return _json(body.model_dump(), 200 if body.status == "ready" else 503)
 
-    async def metrics_text(self, request: web.Request) -> web.Response:
+    async def readyz(self, request: Request) -> Response:
+        """As ``readyz_now``."""
+        return self.readyz_now(request)
+
+    async def metrics_text(self, request: Request) -> Response:
         """Prometheus text exposition."""
-        return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
+        return Response(generate_latest(self.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
+
+_HEALTHY = Response(orjson.dumps({"status": "ok"}))

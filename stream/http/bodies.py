@@ -1,6 +1,6 @@
 """From a request's bytes to checked values, one reader per route.
 
-Pure (no aiohttp, no state, nothing shared between calls): the same reader runs on the
+Pure (no HTTP server, no state, nothing shared between calls): the same reader runs on the
 event loop for a small body and in the body reader's child process for a big one
 (``stream.http.body_reader``), so every refusal is worded alike wherever the body was read.
 What needs the view (``check_placement``) is checked by the caller. Each reader stops at

@@ -3,7 +3,7 @@
 
 A running service serves the document of its own configuration: a route behind a
 token file declares the bearer scheme as required, an open one declares none. A unit
-test checks that the document and the aiohttp router list the same routes.
+test checks that the document and the API's routes (``HttpApi.routes``) list the same routes.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from typing import Any
 
 import faust
 import mode
-from aiohttp import web
 from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
@@ -31,6 +30,7 @@ from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.http.api import HttpApi
 from stream.http.auth import open_token_file
+from stream.http.server import HttpServer
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 
 
 class HttpService(mode.Service):
-    """Runs the HTTP API (over TLS when given a context) and the event publisher next to
-    the Faust app."""
+    """Runs the HTTP API (``stream.http.server``, on this process's loop, over TLS when
+    given a context) and the event publisher next to the Faust app."""
 
     def __init__(self, api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None = None,
                  **kwargs: Any) -> None:
@@ -85,7 +85,7 @@ class HttpService(mode.Service):
         self.host = host
         self.port = port
         self.tls = tls
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
 
     @staticmethod
     def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
@@ -105,9 +105,8 @@ class HttpService(mode.Service):
     async def on_start(self) -> None:
         """Serve HTTP first, so /healthz and /readyz answer during recovery."""
         await self.api.publisher.start()
-        self._runner = web.AppRunner(self.api.application(), access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port, ssl_context=self.tls).start()
+        self._server = self.api.server()
+        await self._server.start(self.host, self.port, self.tls)
         writes, matches = self.api.write_tokens, self.api.match_tokens
         log.info("HTTP API on %s://%s:%d (not ready yet: loading the view; /readyz says when); "
                  "auth for writes and /v1/state: %s; auth for /v1/match: %s",
@@ -116,9 +115,9 @@ class HttpService(mode.Service):
                  f"on ({len(matches)} tokens)" if matches else "off")
 
     async def on_stop(self) -> None:
-        """Stop taking requests, then flush the publisher."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stop taking requests (those in flight finish), then flush the publisher."""
+        if self._server is not None:
+            await self._server.close()
         await self.api.publisher.stop()
 
 

@@ -9,7 +9,6 @@ import os
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
@@ -17,6 +16,7 @@ from stream.http.api import HttpApi
 from stream.http.auth import TokenFile, TokenFileError, open_token_file, read_tokens
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
+from tests.unit.served import served
 from tests.unit.test_write_safety import StandInProducer
 
 SECRET = "s3cret-token-A"
@@ -108,7 +108,7 @@ MATCH = orjson.dumps({"endpoints": ["ns/a"], "body": {}})
 def send(api: HttpApi, calls: list[tuple[str, str, bytes | None, str | None]]) -> list[tuple[int, dict, dict]]:
     async def run():
         out = []
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             for method, path, data, token in calls:
                 headers = {} if token is None else {"Authorization": token}
                 response = await client.request(method, path, data=data, headers=headers)

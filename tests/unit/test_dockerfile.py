@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aiohttp.test_utils import TestServer
-
 from tests.unit.test_http_api import make_api
 
 DOCKERFILE = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
@@ -35,9 +33,9 @@ def test_the_healthcheck_probe_passes_on_a_live_api_and_fails_without_one():
     assert argv[0] == "python"
 
     async def run() -> tuple[int, int]:
-        server = TestServer(make_api().application(), host="127.0.0.1")
-        await server.start_server()
-        env = {"MMCACHE_PORT": str(server.port), "PATH": "/usr/bin:/bin"}
+        server = make_api().server()
+        port = await server.start("127.0.0.1", 0)
+        env = {"MMCACHE_PORT": str(port), "PATH": "/usr/bin:/bin"}
         live = await asyncio.to_thread(subprocess.run, [sys.executable, *argv[1:]], env=env,
                                        capture_output=True, timeout=10)
         await server.close()

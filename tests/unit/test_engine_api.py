@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from stream.config import Limits, Settings
 from stream.core.cache import CacheState, Capacity
@@ -27,6 +26,7 @@ from stream.core.events import (
 from stream.core.items import Item
 from stream.http.api import HttpApi
 from stream.metrics import Metrics
+from tests.unit.served import served
 
 DEFAULT_LIMITS = Limits()
 
@@ -73,7 +73,7 @@ def state_with_views() -> CacheState:
 def run_calls(api: HttpApi, calls: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
     async def run() -> list[tuple[int, Any]]:
         answers = []
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             for method, path, body in calls:
                 data = body if isinstance(body, bytes) or body is None else orjson.dumps(body)
                 response = await client.request(method, path, data=data)
@@ -327,7 +327,7 @@ def test_reports_need_a_write_token_as_placements_do(tmp_path):
     api.write_tokens = TokenFile(tokens)
 
     async def run() -> list[int]:
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             statuses = []
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer a-write-token"}):
                 response = await client.post("/v1/engine-events", data=orjson.dumps(CONTRACT_BODY),

@@ -7,7 +7,6 @@ import asyncio
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
@@ -18,6 +17,7 @@ from stream.http.api import ApiError, HttpApi
 from stream.http.bodies import checked_match_query
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
+from tests.unit.served import listening, served
 
 DEFAULT_LIMITS = Limits()
 
@@ -35,7 +35,7 @@ def requests(calls: list[tuple[str, str, bytes | None]], limits: Limits = DEFAUL
 
     async def run() -> list[tuple]:
         answers = []
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             for method, path, data in calls:
                 response = await client.request(method, path, data=data)
                 raw = await response.read()
@@ -104,7 +104,7 @@ def test_405_says_which_methods_the_path_takes():
     api = make_api()
 
     async def run():
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             response = await client.request("DELETE", "/v1/placements")
             return response.status, response.headers.get("Allow")
 
@@ -121,7 +121,7 @@ def test_an_unexpected_failure_is_a_json_500_that_reveals_nothing(monkeypatch):
     monkeypatch.setattr(api.state, "summary", broken)
 
     async def run():
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             response = await client.get("/v1/state")
             return response.status, orjson.loads(await response.read())
 
@@ -196,7 +196,7 @@ def test_answers_are_counted_by_route_and_code_and_readiness_is_a_gauge():
     api = make_api()
 
     async def run() -> str:
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             await client.post("/v1/match", data=b'{"endpoints": [], "body": {}}')
             await client.post("/v1/match", data=b"{bad")
             await client.get("/nope")
@@ -221,7 +221,7 @@ def wide_api(endpoints: int, held: dict[str, list[Item]], limits: Limits = DEFAU
 
 def answers_of(api: HttpApi, calls: list[tuple[str, str, bytes]]) -> list[tuple[int, bytes]]:
     async def run() -> list[tuple[int, bytes]]:
-        async with TestClient(TestServer(api.application())) as client:
+        async with served(api) as client:
             out = []
             for method, path, data in calls:
                 response = await client.request(method, path, data=data)
@@ -432,20 +432,16 @@ def raw_exchange(port: int, raw: bytes) -> bytes:
     return answer
 
 
-def test_a_request_aiohttp_cannot_parse_is_answered_in_json_and_logged_without_what_it_held(caplog):
+def test_a_request_the_server_cannot_parse_is_answered_in_json_and_logged_without_what_it_held(caplog):
     import logging
 
     api = make_api()
 
     async def run() -> dict[str, bytes]:
-        server = TestServer(api.application(), host="127.0.0.1")
-        await server.start_server()
-        try:
+        async with listening(api) as port:
             loop = asyncio.get_running_loop()
-            return {name: await loop.run_in_executor(None, raw_exchange, server.port, raw)
+            return {name: await loop.run_in_executor(None, raw_exchange, port, raw)
                     for name, raw in MALFORMED.items()}
-        finally:
-            await server.close()
 
     with caplog.at_level(logging.DEBUG):
         answers = asyncio.run(run())
@@ -458,30 +454,3 @@ def test_a_request_aiohttp_cannot_parse_is_answered_in_json_and_logged_without_w
     assert TOKEN not in logged and "Bearer" not in logged
     assert "refused a malformed HTTP request from 127.0.0.1 with 400: LineTooLong" in logged
     assert not [r for r in caplog.records if r.name == "aiohttp.server" or r.exc_info]
-
-
-def test_other_aiohttp_applications_keep_aiohttps_own_answer():
-    from aiohttp import web
-
-    make_api().application()  # installs the guard
-
-    async def run() -> bytes:
-        server = TestServer(web.Application(), host="127.0.0.1")
-        await server.start_server()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                None, raw_exchange, server.port, MALFORMED["bad version"])
-        finally:
-            await server.close()
-
-    assert b"Content-Type: text/plain" in asyncio.run(run())
-
-
-def test_the_guard_refuses_an_aiohttp_it_was_not_written_for(monkeypatch):
-    import aiohttp
-
-    from stream.http import aiohttp_guard
-
-    monkeypatch.setattr(aiohttp, "__version__", "4.0.0")
-    with pytest.raises(RuntimeError, match="aiohttp >=3.9,<4; installed: aiohttp 4.0.0"):
-        aiohttp_guard.install()

@@ -13,12 +13,12 @@ import hashlib
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from stream.core.events import ItemsPlaced
 from stream.core.items import InvalidField, Item, extract_items
 from stream.http.body_reader import BodyReader
 from tests.unit.openai_bodies import sdk_body
+from tests.unit.served import served
 from tests.unit.test_http_api import make_api
 
 CAT = "https://example.com/cat.png"
@@ -190,7 +190,7 @@ class RecordingPublisher:
 def answers(api: object, calls: list[tuple[str, dict]]) -> list[tuple[int, dict]]:
     async def run() -> list[tuple[int, dict]]:
         got = []
-        async with TestClient(TestServer(api.application())) as client:  # type: ignore[attr-defined]
+        async with served(api) as client:  # type: ignore[attr-defined]
             for path, request in calls:
                 response = await client.post(path, data=orjson.dumps(request))
                 got.append((response.status, orjson.loads(await response.read())))

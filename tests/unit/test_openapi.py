@@ -1,4 +1,4 @@
-"""The OpenAPI document lists exactly the routes of the aiohttp app, with CONTRACT's
+"""The OpenAPI document lists exactly the routes of the server, with CONTRACT's
 error answers and the bearer scheme where a token file guards the route."""
 
 from __future__ import annotations
@@ -18,13 +18,7 @@ def app_routes() -> set[tuple[str, str]]:
     state = CacheState(Capacity.from_params())
     api = HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0), Metrics(state, dict),
                   Limits(), lambda: True)
-    routes = set()
-    for route in api.application().router.routes():
-        path = route.resource.canonical
-        if route.method in ("HEAD", "*") or path == "/{path}":  # HEAD mirrors GET; the catch-all
-            continue
-        routes.add((route.method.lower(), path))
-    return routes
+    return {(method.lower(), path) for method, path in api.routes().routes()}
 
 
 def documented(document: dict) -> set[tuple[str, str]]:

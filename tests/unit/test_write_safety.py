@@ -10,8 +10,6 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 from aiokafka.errors import UnknownTopicOrPartitionError
 
 from stream.config import Limits
@@ -21,6 +19,7 @@ from stream.core.items import Item
 from stream.http.api import HttpApi
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
+from tests.unit.served import served
 
 ITEMS = [{"hash": "h1", "size": 1, "modality": "image"}]
 
@@ -64,16 +63,17 @@ def call(api: HttpApi, bodies: list[tuple[str, dict]]) -> list[tuple[int, dict, 
     """(status, answer, seconds) of POSTs sent at once (concurrently) to one app."""
 
     async def run() -> list[tuple[int, dict, float]]:
-        app = api.application()
         arrived: list[str] = []
 
-        @web.middleware
-        async def count(request: web.Request, handler: Any) -> web.StreamResponse:
-            arrived.append(request.path)
-            return await handler(request)
+        def counted(handler: Any) -> Any:
+            async def count(request: Any) -> Any:
+                arrived.append(request.path)
+                return await handler(request)
+            return count
 
-        app.middlewares.insert(0, count)
-        async with TestClient(TestServer(app)) as client:
+        for route in ("placements", "endpoint_events", "engine_events"):
+            setattr(api, route, counted(getattr(api, route)))
+        async with served(api) as client:
             async def one(path: str, body: dict) -> tuple[int, dict, float]:
                 started = time.monotonic()
                 response = await client.post(path, data=orjson.dumps(body))
