@@ -21,6 +21,7 @@ from stream.core.digests import Digests, combine_digests
 from stream.core.engine import ENGINE_VIEW_ENTRIES, EngineViews
 from stream.core.events import Event, Position
 from stream.core.fold import Fold
+from stream.core.holders import HolderSets
 from stream.core.index import EndpointMatch, EndpointSummary, Index
 from stream.core.items import Item
 from stream.core.loading import Exported, Loading
@@ -66,9 +67,10 @@ class CacheState:
         return self.lrus.endpoints
 
     @property
-    def holders(self) -> dict[str, set[str]]:
-        """The inverted index: hash -> endpoints holding it."""
-        return self.lrus.holders
+    def holders(self) -> HolderSets:
+        """The inverted index: hash -> endpoints holding it, read-only, each value a
+        frozenset (the index itself keeps the compact forms of ``stream.core.holders``)."""
+        return HolderSets(self.lrus.holders)
 
     @property
     def applied(self) -> dict[int, int]:

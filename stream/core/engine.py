@@ -32,6 +32,8 @@ from stream.core.events import (
     EngineItemsRemoved,
     Position,
 )
+from stream.core.holders import HeldBy, HolderSets, hold, release, union
+from stream.core.holders import names as holder_names
 from stream.core.items import Item
 
 __all__ = ["DIGEST_MARK", "ENGINE_VIEW_ENTRIES", "EngineChange", "EngineView", "EngineViews"]
@@ -72,16 +74,17 @@ class EngineChange(NamedTuple):
 
 
 class EngineViews:
-    """Every endpoint's engine view, plus an inverted index (hash -> endpoints) so that a
-    match costs what it hits. ``dirty`` is the state's set of digest parts to rehash:
-    every change adds its view's part (``DIGEST_MARK`` + name)."""
+    """Every endpoint's engine view, plus an inverted index (``index``: hash -> endpoints,
+    in the compact forms of ``stream.core.holders``) so that a match costs what it hits.
+    ``dirty`` is the state's set of digest parts to rehash: every change adds its view's
+    part (``DIGEST_MARK`` + name)."""
 
     def __init__(self, max_entries: int, dirty: set[str]) -> None:
         if max_entries < 1:
             raise ValueError("an engine view holds at least 1 entry")
         self.max_entries = max_entries
         self.views: dict[str, EngineView] = {}
-        self.holders: dict[str, set[str]] = {}
+        self.index: dict[str, HeldBy] = {}
         self._dirty = dirty
         self.bound_drops = 0  # entries this fold dropped past max_entries (not state: a count)
 
@@ -110,15 +113,12 @@ class EngineViews:
                     if digest in entries:
                         held_before.setdefault(digest, True)
                         self._take_out(view, name, digest)
-            elif isinstance(fact, EngineCleared):  # up to max_entries: _release inlined
-                holders = self.holders
+            elif isinstance(fact, EngineCleared):
+                held = self.index
                 for digest in entries:
                     if digest not in held_before:
                         held_before[digest] = True
-                    held_by = holders[digest]
-                    held_by.discard(name)
-                    if not held_by:
-                        del holders[digest]
+                    release(held, digest, name)
                 entries.clear()
                 view.weight = 0
             else:
@@ -153,12 +153,9 @@ class EngineViews:
         if view is None:
             return
         self._dirty.add(DIGEST_MARK + name)
-        holders = self.holders
-        for digest in view.entries:  # up to max_entries: _release inlined
-            held_by = holders[digest]
-            held_by.discard(name)
-            if not held_by:
-                del holders[digest]
+        index = self.index
+        for digest in view.entries:
+            release(index, digest, name)
         changes.append(EngineChange(name, None, None, 0, 0, tuple(view.entries)))
 
     def stale(self, partition: int, live: set[str]) -> list[str]:
@@ -171,17 +168,15 @@ class EngineViews:
         self._release(digest, name)
 
     def _hold(self, digest: str, name: str) -> None:
-        held_by = self.holders.get(digest)
-        if held_by is None:
-            self.holders[digest] = {name}
-        else:
-            held_by.add(name)
+        hold(self.index, digest, name)
 
     def _release(self, digest: str, name: str) -> None:
-        holders = self.holders[digest]
-        holders.discard(name)
-        if not holders:
-            del self.holders[digest]
+        release(self.index, digest, name)
+
+    @property
+    def holders(self) -> HolderSets:
+        """The inverted index as frozensets, read-only (``held_by`` reads through it)."""
+        return HolderSets(self.index)
 
     # -- loading and following a store -------------------------------------------------
 
@@ -258,12 +253,10 @@ class EngineViews:
     def merge(self, other: EngineViews) -> None:
         """Add the views of another state's partitions; ``other`` is not used afterwards."""
         self.views.update(other.views)
-        for digest, names in other.holders.items():
-            held_by = self.holders.get(digest)
-            if held_by is None:
-                self.holders[digest] = names
-            else:
-                held_by |= names
+        index = self.index
+        for digest, names in other.index.items():
+            held = index.get(digest)
+            index[digest] = names if held is None else union(held, names)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -279,16 +272,17 @@ class EngineViews:
         some, items in request order): walks the index from the request's items."""
         wanted = set(names)
         found: dict[str, list[Item]] = {}
-        holders = self.holders
+        index = self.index
         for item in items:
-            held = holders.get(item.hash)
-            if held:
-                for name in held & wanted:
-                    matched = found.get(name)
-                    if matched is None:
-                        found[name] = [item]
-                    else:
-                        matched.append(item)
+            held = index.get(item.hash)
+            if held is None:
+                continue
+            for name in wanted.intersection(holder_names(held)):
+                matched = found.get(name)
+                if matched is None:
+                    found[name] = [item]
+                else:
+                    matched.append(item)
         return found
 
     def summary(self, limit: int) -> list[tuple[str, int, int]]:

@@ -20,6 +20,7 @@ from stream.core.events import (
     ItemsPlaced,
     Position,
 )
+from stream.core.holders import TUPLE_MAX
 from stream.core.lru import Effects, EndpointCache, Entry, Lrus
 
 __all__ = ["Fold"]
@@ -90,12 +91,16 @@ class Fold:
             if by_size and size > limit:
                 continue
             previous = entries.pop(digest, None)
-            if previous is None:
-                held_by = holders.get(digest)
-                if held_by is None:
-                    holders[digest] = {name}
+            if previous is None:  # Lrus.hold, inline
+                held = holders.get(digest)
+                if held is None:
+                    holders[digest] = name
+                elif type(held) is str:
+                    holders[digest] = (held, name)
+                elif type(held) is tuple:
+                    holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
                 else:
-                    held_by.add(name)
+                    held.add(name)
             else:
                 weight -= previous
             entries[digest] = size
@@ -133,7 +138,7 @@ class Fold:
             cache = lrus.endpoints[endpoint] = EndpointCache(partition)
         previous = cache.entries.pop(digest, None)
         if previous is None:
-            lrus.holders.setdefault(digest, set()).add(endpoint)
+            lrus.hold(endpoint, (digest,))
         else:
             cache.weight -= previous
         cache.entries[digest] = size

@@ -56,12 +56,20 @@ class Index:
         found: dict[str, list[Item]] = {}
         index = self.lrus.holders
         for item in items:
-            holders = index.get(item.hash)
-            if not holders:
+            held = index.get(item.hash)
+            if held is None:
                 continue
-            for name in holders if len(holders) < len(requested) else requested:
-                if name in requested and name in holders:
-                    found.setdefault(name, []).append(item)
+            if type(held) is str:  # one holder (stream.core.holders' compact forms)
+                if held in requested:
+                    found.setdefault(held, []).append(item)
+            elif type(held) is tuple or len(held) < len(requested):
+                for name in held:
+                    if name in requested:
+                        found.setdefault(name, []).append(item)
+            else:
+                for name in requested:
+                    if name in held:
+                        found.setdefault(name, []).append(item)
         return list(requested), found
 
     @staticmethod

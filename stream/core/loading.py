@@ -8,13 +8,14 @@ from collections.abc import Generator, Iterable, Iterator
 from sys import intern
 from typing import Any
 
+from stream.core.holders import HeldBy, union
 from stream.core.lru import Effects, EndpointCache, Entry, Lrus
 
 __all__ = ["Exported", "Loading"]
 
 #: (endpoint -> (partition, LRU, weight), holders, applied offsets,
 #: endpoint -> (partition, engine view, weight))
-Exported = tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, set[str]],
+Exported = tuple[dict[str, tuple[int, dict[str, int], int]], dict[str, HeldBy],
                  dict[int, int], dict[str, tuple[int, dict[str, int], int]]]
 
 
@@ -87,8 +88,8 @@ class Loading:
             self.lrus.applied[partition] = applied
 
     def export(self) -> Exported:
-        """The state as plain dicts, sets and tuples, e.g. to ``marshal`` it to another
-        process."""
+        """The state as plain dicts, sets, tuples and strings, e.g. to ``marshal`` it to
+        another process."""
         lrus = self.lrus
         endpoints = {name: (c.partition, c.entries, c.weight) for name, c in lrus.endpoints.items()}
         return endpoints, lrus.holders, lrus.applied, lrus.engine.export()
@@ -119,11 +120,8 @@ class Loading:
             return
         holders = lrus.holders
         for digest, names in other.holders.items():
-            held_by = holders.get(digest)
-            if held_by is None:
-                holders[digest] = names
-            else:
-                held_by |= names
+            held = holders.get(digest)
+            holders[digest] = names if held is None else union(held, names)
 
     def restore(self, partition: int, applied: int | None, entries: Iterable[Entry]) -> None:
         """Load one partition's durable entries (any order) and its applied offset."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from stream.core.engine import EngineChange, EngineViews
+from stream.core.holders import TUPLE_MAX, HeldBy
 
 __all__ = [
     "DEFAULT_CACHE_MB",
@@ -89,7 +90,9 @@ class Lrus:
     since they were last hashed (``dirty``: every change adds its endpoint).
 
     Invariant: ``holders[h]`` holds ``name`` exactly when ``endpoints[name].entries``
-    holds ``h``, and no set in ``holders`` is empty.
+    holds ``h``, in the compact form of ``stream.core.holders`` (a name, a tuple, a set:
+    never empty). ``hold`` and ``release`` are that module's, inline: compiled, on the
+    restore and eviction paths.
     """
 
     __slots__ = ("applied", "by_size", "capacity", "dirty", "endpoints", "engine", "holders")
@@ -98,7 +101,7 @@ class Lrus:
         self.capacity = capacity
         self.by_size = capacity.mode == "size"
         self.endpoints: dict[str, EndpointCache] = {}
-        self.holders: dict[str, set[str]] = {}
+        self.holders: dict[str, HeldBy] = {}
         self.applied: dict[int, int] = {}
         self.dirty: set[str] = set()
         self.engine = EngineViews(engine_entries, self.dirty)
@@ -107,18 +110,32 @@ class Lrus:
         """Index ``digests`` as held by ``name``."""
         holders = self.holders
         for digest in digests:
-            held_by = holders.get(digest)
-            if held_by is None:
-                holders[digest] = {name}
+            held = holders.get(digest)
+            if held is None:
+                holders[digest] = name
+            elif type(held) is str:
+                holders[digest] = (held, name)
+            elif type(held) is tuple:
+                holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
             else:
-                held_by.add(name)
+                held.add(name)
 
     def release(self, digest: str, name: str) -> None:
         """``name`` no longer holds ``digest``."""
-        holders = self.holders[digest]
-        holders.discard(name)
-        if not holders:
-            del self.holders[digest]
+        holders = self.holders
+        held = holders[digest]
+        if type(held) is str:
+            del holders[digest]
+        elif type(held) is tuple:
+            if len(held) == 2:
+                holders[digest] = held[1] if held[0] == name else held[0]
+            else:
+                at = held.index(name)
+                holders[digest] = held[:at] + held[at + 1:]
+        else:
+            held.discard(name)
+            if len(held) == 1:
+                holders[digest] = next(iter(held))
 
     def drop(self, name: str, effects: Effects) -> None:
         """Forget one endpoint's LRU, its removals added to ``effects``."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence, Set
 from operator import attrgetter
+from typing import Any
 
 import orjson
 
+from stream.core.holders import HolderSets
 from stream.core.items import Item
 
 __all__ = ["answer_ends", "gather", "held_by", "match_entries", "render_match"]
@@ -116,14 +118,27 @@ def _entries(names: list[str], found: Mapping[str, list[Item]], total: int, sour
         yield _unmatched(names[start:], tail)
 
 
-def held_by(holders: Mapping[str, set[str]], items: Sequence[Item],
+def held_by(holders: Mapping[str, Any], items: Sequence[Item],
             requested: list[str]) -> list[set[str]]:
     """For each item, the requested endpoints that hold it, read at one moment: each is a
     set intersection in C, so this costs ~40 ns a held pair; the rest of a wide match
-    works on these copies while the view goes on changing."""
+    works on these copies while the view goes on changing.
+
+    ``holders`` is an index of compact holders (``stream.core.holders``: a name, a tuple
+    or a set), or a ``HolderSets`` view of one, read through to its index."""
+    index = holders.raw if isinstance(holders, HolderSets) else holders
     wanted = set(requested)
     empty: set[str] = set()
-    return [(held & wanted) if (held := holders.get(item.hash)) else empty for item in items]
+    held_sets: list[set[str]] = []
+    for item in items:
+        held = index.get(item.hash)
+        if held is None:
+            held_sets.append(empty)
+        elif type(held) is str:
+            held_sets.append({held} if held in wanted else empty)
+        else:
+            held_sets.append(wanted.intersection(held))
+    return held_sets
 
 
 def gather(items: Sequence[Item], held: list[set[str]], found: dict[str, list[Item]],

@@ -14,9 +14,10 @@ from collections import defaultdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.core.cache import CacheState, Effects, Entry
+from stream.core.cache import CacheState, Capacity, Effects, Entry
 from stream.core.codec import decode_event, encode_event
-from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced
+from stream.core.events import EndpointDeleted, EndpointsSynced, ItemsPlaced, Position
+from stream.core.holders import TUPLE_MAX
 from stream.core.items import Item
 from tests.unit.eventlogs import EventLogs, Scenario, fold, view
 
@@ -350,3 +351,113 @@ def test_digest_survives_export_merge_and_partition_reloads(scenario, data):
     assert settle(merged, 2) == merged.digest()
     merged.restore(partition, whole.applied.get(partition), entries)
     assert settle(merged, 4) == whole.digest()
+
+
+# (h) the index's compact forms ----------------------------------------------------------
+
+CROWD = EventLogs([f"ns/pod-{i}" for i in range(24)], ["h0", "h1", "h2"])
+
+
+def check_compact(state: CacheState, partitions: int) -> None:
+    """Every hash's holders are in the form ``stream.core.holders`` says for their count
+    (a name alone, a tuple up to ``TUPLE_MAX``, else a set), with no name twice."""
+    transpose: dict[str, set[str]] = {}
+    for name, cache in state.endpoints.items():
+        assert cache.partition == CROWD.partition_of(name, partitions)
+        for digest in cache.entries:
+            transpose.setdefault(digest, set()).add(name)
+    assert state.holders == transpose
+    for held in state.lrus.holders.values():
+        if type(held) is tuple:
+            assert 2 <= len(held) <= TUPLE_MAX and len(set(held)) == len(held)
+        else:
+            assert type(held) is str or (type(held) is set and len(held) >= 2)
+
+
+@st.composite
+def crowded_logs(draw) -> Scenario:
+    """Placements of three hashes on up to 24 endpoints of two partitions, some deletes:
+    a hash is soon held by more than ``TUPLE_MAX`` endpoints, then by fewer again."""
+    capacity = Capacity("items", draw(st.integers(1, 3)))
+    ops = draw(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 23),
+                                  st.sampled_from([0, 0, 0, 1, 2])), min_size=40, max_size=150))
+    offsets = [0, 0]
+    log = []
+    for kind, endpoint, digest in ops:
+        name = CROWD.endpoints[endpoint]
+        partition = CROWD.partition_of(name, 2)
+        event = (EndpointDeleted(endpoint=name) if kind == 0 else
+                 ItemsPlaced(endpoint=name, items=[Item(CROWD.hashes[digest], 1, "image")]))
+        log.append((Position(partition, offsets[partition]), event))
+        offsets[partition] += 1
+    return Scenario(capacity, 2, log)
+
+
+@SETTINGS
+@given(crowded_logs(), st.data())
+def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
+    """Up to 24 endpoints over three hashes, so that holders cross the tuple-to-set bound
+    both ways: the fold, a follower, a restore, export and merge all keep the index the
+    exact transpose of the LRUs, in its compact form."""
+    state, follower = CacheState(scenario.capacity), CacheState(scenario.capacity)
+    for position, event in scenario.log:
+        effects = state.apply(event, position)
+        for entry in effects.upserts if effects else ():
+            follower.follow(position.partition, entry.endpoint, entry.hash, entry.size)
+        for endpoint, digest in effects.removals if effects else ():
+            follower.follow(position.partition, endpoint, digest, None)
+        check_compact(state, 2)
+    check_compact(follower, 2)
+    assert follower.holders == state.holders
+    copy = restore_copy(state)
+    check_compact(copy, 2)
+    assert copy.holders == state.holders
+    halves = []
+    for partition in range(2):
+        half = CacheState(scenario.capacity)
+        for position, event in scenario.log:
+            if position.partition == partition:
+                half.apply(event, position)
+        halves.append(half)
+    merged = CacheState.from_export(scenario.capacity, halves[0].export())
+    merged.merge(halves[1])
+    check_compact(merged, 2)
+    assert merged.holders == state.holders
+    requested = data.draw(st.lists(st.sampled_from(CROWD.endpoints), unique=True), label="requested")
+    items = [Item("h0", 1, "image"), Item("h2", 2, "image"), Item("h9", 1, "image")]
+    _, found = state.hits(items, requested)
+    assert {name: [item.hash for item in held] for name, held in found.items()} == {
+        name: [item.hash for item in items if name in state.holders.get(item.hash, ())]
+        for name in requested if any(name in state.holders.get(item.hash, ()) for item in items)}
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 29)), max_size=200))
+def test_hold_and_release_keep_the_compact_form_of_a_set(ops):
+    """``stream.core.holders``' own hold and release (the engine views' index) against a
+    plain set, through every form; and ``union`` of two disjoint holders."""
+    from stream.core.holders import HolderSets, hold, release, union
+
+    index: dict = {}
+    model: set[str] = set()
+    for adding, number in ops:
+        name = f"e{number}"
+        if adding and name not in model:
+            hold(index, "h", name)
+            model.add(name)
+        elif not adding and name in model:
+            release(index, "h", name)
+            model.discard(name)
+        assert HolderSets(index) == ({"h": model} if model else {})
+        if model:
+            held = index["h"]
+            assert (type(held) is str) == (len(model) == 1)
+            assert type(held) is not tuple or len(held) <= TUPLE_MAX
+    if model:
+        other = {f"x{number}" for number in range(len(ops) % 20 + 1)}
+        other_index: dict = {}
+        for name in other:
+            hold(other_index, "h", name)
+        merged = union(index["h"], other_index["h"])
+        assert HolderSets({"h": merged}) == {"h": model | other}
+        assert type(merged) is (tuple if len(model | other) <= TUPLE_MAX else set)
