@@ -41,7 +41,7 @@ from stream.bench.redis_control import (
     redis_backed_app,
     redis_benchmark_rate,
 )
-from stream.bench.stacks import LOAD_CORE, SERVER_CORE, wrk_ms, wrk_paced_latency, wrk_rate
+from stream.bench.stacks import LOAD_CORE, SERVER_CORE, busy_rate, wrk_ms, wrk_paced_latency, wrk_rate
 from stream.bench.workload import Workload
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
@@ -192,6 +192,7 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
         rates: dict[str, list[float]] = {"inverted": [], "reference": [], "stack": [], "control": [],
                                          "redis": []}
         direct: list[DirectRate] = []
+        busy: dict[str, list[float]] = {kind: [] for kind in rates}  # server core's share used
         # the two states are built side by side; each server then serves on the server core
         servers = {kind: Server(kind, events, bodies) for kind in ("inverted", "reference")}
         service = servers["inverted"]
@@ -216,7 +217,10 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
                 _same_answers(servers[kind].url, service.url, requests[:1])
             for _ in range(runs):
                 for kind, server in servers.items():
-                    rates[kind].append(wrk_rate(server.url, bodies, seconds))
+                    rate, share = busy_rate(server.process.pid,
+                                            lambda url=server.url: wrk_rate(url, bodies, seconds), seconds)
+                    rates[kind].append(rate)
+                    busy[kind].append(share)
                 direct.append(redis_benchmark_rate(redis_server, lookups, seconds, LOAD_CORE))
             peak = statistics.median(rates["inverted"])
             p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, max(seconds, 5))
@@ -230,17 +234,19 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
     service_rate, reference, stack, control, redis_http = (
         statistics.median(rates[k]) for k in ("inverted", "reference", "stack", "control", "redis"))
     redis_direct, redis_busy, load_busy = (statistics.median(column) for column in zip(*direct, strict=True))
+    used = {kind: f"{100 * statistics.median(shares):.0f}%" for kind, shares in busy.items()}
     return [
         Figure("match_throughput_vs_bare_handler", round(service_rate), "req/s",
                ">= 0.75 x the bare orjson handler on the same server", service_rate / stack >= 0.75,
                round(stack), round(service_rate / stack, 3),
                "64 endpoints x 8 items per request; state 1,000 x 1,024; wrk -t1 -c32; control: "
                "a route that only orjson.loads the body and answers the service's answer, on "
-               "stream.http.server"),
+               f"stream.http.server; server core busy: service {used['inverted']}, control "
+               f"{used['stack']} (under 100%: the machine was shared, the rates are low by as much)"),
         Figure("match_throughput_vs_bare_aiohttp", round(service_rate), "req/s",
                ">= 13,000 req/s", service_rate >= 13_000, round(control), round(service_rate / control, 3),
                "control: the same bare handler on aiohttp (AppRunner + TCPSite, uvloop), the "
-               "stack the service ran on before"),
+               f"stack the service ran on before; server core busy: {used['control']}"),
         Figure("match_throughput_vs_reference_lookup", round(service_rate), "req/s",
                ">= 1.8 x the per-endpoint-map lookup", service_rate / reference >= 1.8,
                round(reference), round(service_rate / reference, 3)),

@@ -50,8 +50,8 @@ from stream.core.items import extract_items
 from stream.core.render import render_match
 from stream.kafka.embedded import free_port
 
-__all__ = ["LOAD_CORE", "SERVER_CORE", "STACKS", "StackServer", "bench_inputs", "stack_figures",
-           "wrk_paced_latency", "wrk_rate"]
+__all__ = ["LOAD_CORE", "SERVER_CORE", "STACKS", "StackServer", "bench_inputs", "busy_rate", "cpu_seconds",
+           "stack_figures", "wrk_paced_latency", "wrk_rate"]
 
 SERVER_CORE, LOAD_CORE = "0", "1"
 STACKS = ("aiohttp", "uvicorn", "granian-rsgi", "granian-asgi", "protocol", "server")
@@ -304,6 +304,20 @@ def wrk_rate(url: str, bodies: Path, seconds: int, connections: int = 32) -> flo
     """Requests per second answered under closed-loop load."""
     out = wrk(url, WRK_SCRIPT % bodies, seconds, connections)
     return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_rate(pid: int, measure: Callable[[], float], seconds: int) -> tuple[float, float]:
+    """``measure()`` (a wrk rate over ``seconds``) and the share of one core the server
+    ``pid`` used meanwhile: under 1, the machine was shared and the rate is low by as much."""
+    before = cpu_seconds(pid)
+    rate = measure()
+    return rate, (cpu_seconds(pid) - before) / seconds
 
 
 def wrk_paced_latency(url: str, bodies: Path, rate: float, seconds: int) -> tuple[float, float, float]:
