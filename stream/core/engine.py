@@ -33,7 +33,6 @@ from stream.core.events import (
     Position,
 )
 from stream.core.holders import HeldBy, HolderSets, hold, release, union
-from stream.core.holders import names as holder_names
 from stream.core.items import Item
 
 __all__ = ["DIGEST_MARK", "ENGINE_VIEW_ENTRIES", "EngineChange", "EngineView", "EngineViews"]
@@ -277,7 +276,7 @@ class EngineViews:
             held = index.get(item.hash)
             if held is None:
                 continue
-            for name in wanted.intersection(holder_names(held)):
+            for name in wanted.intersection((held,) if type(held) is str else held):
                 matched = found.get(name)
                 if matched is None:
                     found[name] = [item]

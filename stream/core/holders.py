@@ -12,6 +12,7 @@ A ``set`` shrinks back to a name when one holder is left, never to a tuple (no c
 at the boundary). Readers take all three forms; outside the core, ``HolderSets`` shows
 the index as frozensets. The compiled ``stream.core.lru`` and ``stream.core.fold`` write
 the same forms inline (their hot loops); ``hold`` and ``release`` here are for the rest.
+Holding is idempotent, as a set's ``add`` is: a swapped LRU or view is held again whole.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ def names(held: HeldBy) -> tuple[str, ...] | set[str]:
 
 
 def hold(holders: dict[str, HeldBy], digest: str, name: str) -> None:
-    """Add ``name`` to the holders of ``digest`` (it must not hold it yet)."""
+    """Add ``name`` to the holders of ``digest``, if it is not one already (a set's
+    ``add``: a view swapped whole is held again whole)."""
     held = holders.get(digest)
     if held is None:
         holders[digest] = name
     elif type(held) is str:
-        holders[digest] = (held, name)
+        if held != name:
+            holders[digest] = (held, name)
     elif type(held) is tuple:
-        holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
+        if name not in held:
+            holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
     else:
         held.add(name)
 

@@ -107,16 +107,19 @@ class Lrus:
         self.engine = EngineViews(engine_entries, self.dirty)
 
     def hold(self, name: str, digests: Iterable[str]) -> None:
-        """Index ``digests`` as held by ``name``."""
+        """Index ``digests`` as held by ``name`` (those it holds already stay as they are:
+        a swapped LRU is held again whole)."""
         holders = self.holders
         for digest in digests:
             held = holders.get(digest)
             if held is None:
                 holders[digest] = name
             elif type(held) is str:
-                holders[digest] = (held, name)
+                if held != name:
+                    holders[digest] = (held, name)
             elif type(held) is tuple:
-                holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
+                if name not in held:
+                    holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
             else:
                 held.add(name)
 

@@ -397,8 +397,9 @@ def crowded_logs(draw) -> Scenario:
 @given(crowded_logs(), st.data())
 def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
     """Up to 24 endpoints over three hashes, so that holders cross the tuple-to-set bound
-    both ways: the fold, a follower, a restore, export and merge all keep the index the
-    exact transpose of the LRUs, in its compact form."""
+    both ways: the fold, a follower, a restore, export and merge, and LRUs swapped whole
+    all keep the index the exact transpose of the LRUs, in its compact form (no name
+    twice: a frozenset view would hide that)."""
     state, follower = CacheState(scenario.capacity), CacheState(scenario.capacity)
     for position, event in scenario.log:
         effects = state.apply(event, position)
@@ -423,6 +424,19 @@ def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
     merged.merge(halves[1])
     check_compact(merged, 2)
     assert merged.holders == state.holders
+    # a reload swaps LRUs whole (the entries both hold are held again): each endpoint's
+    # LRU swapped for another endpoint's, then back
+    swapped = restore_copy(state)
+    names = sorted(state.endpoints)
+    for name, other in zip(names, names[1:] + names[:1]):
+        swapped.replace_lru(state.endpoints[name].partition, name,
+                            list(state.endpoints[other].entries.items()))
+        check_compact(swapped, 2)
+    for name in names:
+        swapped.replace_lru(state.endpoints[name].partition, name,
+                            list(state.endpoints[name].entries.items()))
+    check_compact(swapped, 2)
+    assert swapped.holders == state.holders
     requested = data.draw(st.lists(st.sampled_from(CROWD.endpoints), unique=True), label="requested")
     items = [Item("h0", 1, "image"), Item("h2", 2, "image"), Item("h9", 1, "image")]
     _, found = state.hits(items, requested)
@@ -442,7 +456,7 @@ def test_hold_and_release_keep_the_compact_form_of_a_set(ops):
     model: set[str] = set()
     for adding, number in ops:
         name = f"e{number}"
-        if adding and name not in model:
+        if adding:  # holding a name again changes nothing, as a set's add
             hold(index, "h", name)
             model.add(name)
         elif not adding and name in model:
