@@ -38,11 +38,31 @@ READY_TIMEOUT_S = 180.0
 SERIAL = {"test_bench.py", "test_bench_redis.py"}
 
 
+def _group(item: pytest.Item, name: str) -> None:
+    """Put ``item`` in the xdist group ``name``. pytest 9 keeps a node's id in ``_id``, so
+    the ``@name`` suffix that xdist 3.8 gives it (by setting ``_nodeid``), and that
+    ``--dist loadgroup`` schedules by, is lost: it is set here (grouped tests were spread
+    over the workers like the others)."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    node_id = getattr(item, "_id", None)
+    if getattr(item.config.option, "loadgroup", False) and node_id is not None \
+            and "@" not in item.nodeid:
+        item._id = type(node_id).parse(f"{item.nodeid}@{name}")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the tests of ``SERIAL`` in one xdist group (a no-op without xdist)."""
+    """Put the tests of ``SERIAL`` in one xdist group, and those of a module that share its
+    ``service`` in a group of their own, so that one worker runs them one after another on
+    one start of it (spread over the workers, the module-scoped service started again on
+    each, and again after another module's test came between). A no-op without xdist."""
     for item in items:
-        if item.path.name in SERIAL and item.path.parent == Path(__file__).parent:
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        if item.path.parent != Path(__file__).parent:
+            continue
+        if item.path.name in SERIAL:
+            _group(item, "serial")
+        elif "service" in getattr(item, "fixturenames", ()):
+            _group(item, f"service-{item.path.stem}")
 
 
 @pytest.fixture(scope="session")

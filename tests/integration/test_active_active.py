@@ -209,6 +209,7 @@ def test_a_follower_of_a_seeded_start_has_the_owner_digest(make_service, tmp_pat
     subprocess.run([sys.executable, "-m", "stream.cli", "rebuild", "--bootstrap-servers",
                     source.bootstrap, "--data-dir", str(seeded), "--app-id", app, "--topic", topic],
                    check=True, capture_output=True, timeout=60)
+    source.stop(signal.SIGKILL)  # done with (its digest is kept): not left polling the broker
     owner = make_service(app_id=app, data_dir=seeded, extra=["--topic", topic])
     assert owner.digest() == final
     follower = make_service(app_id=app, data_dir=tmp_path / "follower", extra=["--topic", topic])

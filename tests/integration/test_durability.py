@@ -137,6 +137,7 @@ def test_rebuilt_dir_seeds_a_new_deployment_that_resumes_from_its_offsets(make_s
     new_app = f"{old.app_id}-new"
     _cli("rebuild", "--bootstrap-servers", old.bootstrap, "--data-dir", str(seeded_dir),
          "--app-id", new_app, "--topic", topic, "--until", cut)
+    old.stop(signal.SIGKILL)  # done with (its digest is kept): not left polling the broker
     new = make_service(app_id=new_app, data_dir=seeded_dir, extra=["--topic", topic])
     eventually(lambda: new.digest() == final)
 

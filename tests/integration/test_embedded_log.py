@@ -301,7 +301,7 @@ def test_a_full_disk_refuses_writes_it_cannot_keep_and_goes_on_when_there_is_roo
     from tests.integration.test_disk_full import mounted_tmpfs
 
     started: list[EmbeddedServe] = []
-    with mounted_tmpfs(tmp_path / "data", "12m") as resize, contextlib.ExitStack() as stack:
+    with mounted_tmpfs(tmp_path / "data", "6m") as resize, contextlib.ExitStack() as stack:
         stack.callback(lambda: [s.stop(signal.SIGKILL) for s in started if s.process is not None])
         service = EmbeddedServe(tmp_path / "data", tmp_path / "serve.log").start()
         started.append(service)

@@ -40,6 +40,9 @@ def test_a_seeded_changelog_gives_back_every_engine_view(make_service, tmp_path:
          "--data-dir", str(tmp_path / "rebuilt"), "--app-id", seeded, "--topic", topic],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the source is done with (its live digest is kept): stopped now, not idling in the
+    # background (each running worker polls the broker) while the seeded ones start
+    service.stop(signal.SIGKILL)
     first = make_service(app_id=seeded, data_dir=tmp_path / "rebuilt", extra=["--topic", topic])
     assert first.digest() == live and _views(first) == expected
 
