@@ -84,7 +84,7 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
 
 
 def refuse_taken_port(host: str, port: int) -> None:
-    """Fail before anything starts when the HTTP port cannot be bound (aiohttp would
+    """Fail before anything starts when the HTTP port cannot be bound (the server would
     fail only after the broker, the topics and Faust were started)."""
     if port == 0:
         return
