@@ -35,11 +35,12 @@ from stream.bench.figures import Figure
 from stream.bench.redis_control import (
     LOOKUPS_PER_REQUEST,
     DirectRate,
+    RedisRoutes,
     RedisServer,
     index_keys,
     load_index,
-    redis_backed_app,
     redis_benchmark_rate,
+    without_hiredis,
 )
 from stream.bench.stacks import LOAD_CORE, SERVER_CORE, busy_rate, wrk_ms, wrk_paced_latency, wrk_rate
 from stream.bench.workload import Workload
@@ -48,6 +49,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.events import Position
 from stream.core.items import Item
 from stream.http.api import HttpApi
+from stream.http.server import HttpServer
 from stream.kafka.embedded import free_port
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
@@ -92,18 +94,26 @@ def request_bodies(state: CacheState, count: int) -> list[bytes]:
 def serve(kind: str, port: int, events: int, bodies_path: Path, redis_port: int = 0) -> None:
     """Run one server in this process: ``inverted`` / ``reference`` (the service's HTTP API
     over that lookup), ``stack`` (a bare orjson handler on the service's own server),
-    ``control`` (a bare aiohttp+orjson handler) or ``redis`` (that handler's shape over
-    the index in the Redis at ``redis_port``, its set names in the ``.keys`` file beside
-    the bodies)."""
+    ``control`` (a bare aiohttp+orjson handler) or ``redis`` / ``redis-python`` (the bare
+    handler's shape on the service's server over the index in the Redis at
+    ``redis_port``, its set names in the ``.keys`` file beside the bodies; redis-py
+    parsing with hiredis, or in Python)."""
     api: HttpApi | None = None
     if kind == "stack":
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {int(SERVER_CORE)})
         stacks.serve("server", port, Path(f"{bodies_path}.answer"))
         return
-    if kind == "redis":
-        app = redis_backed_app(redis_port, orjson.loads(Path(f"{bodies_path}.keys").read_bytes()))
-    elif kind == "control":
+    if kind in ("redis", "redis-python"):
+        routes = RedisRoutes(redis_port, orjson.loads(Path(f"{bodies_path}.keys").read_bytes()))
+        wanted = "hiredis" if kind == "redis" else "python"
+        if routes.parser != wanted:
+            raise RuntimeError(f"the {kind} control would parse with {routes.parser}, not {wanted}")
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {int(SERVER_CORE)})
+        event_loop.run(_serve_routes(routes, port))
+        return
+    if kind == "control":
         answer = orjson.loads(Path(f"{bodies_path}.answer").read_bytes())
 
         async def handler(request: web.Request) -> web.Response:
@@ -132,6 +142,12 @@ async def _serve_api(api: HttpApi, port: int) -> None:
     await asyncio.Event().wait()
 
 
+async def _serve_routes(routes: RedisRoutes, port: int) -> None:
+    """A control on the service's own server, inside the running loop."""
+    await HttpServer(routes, on_close=routes.close).start("127.0.0.1", port)  # type: ignore[arg-type]
+    await asyncio.Event().wait()
+
+
 async def _serve_app(app: web.Application, port: int) -> None:
     """An aiohttp control, inside the running loop, without an access log."""
     runner = web.AppRunner(app, access_log=None)
@@ -148,7 +164,9 @@ class Server:
         self.port = free_port()
         command = [sys.executable, "-m", "stream.bench.match", kind, str(self.port), str(events),
                    str(bodies), str(redis_port)]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = None if kind != "redis-python" else without_hiredis(os.environ, bodies.parent / "no-hiredis")
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        env=env)
         self.url = f"http://127.0.0.1:{self.port}/v1/match"
 
     def wait(self) -> Server:
@@ -190,7 +208,7 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp:
         bodies = Path(tmp) / "bodies.jsonl"
         rates: dict[str, list[float]] = {"inverted": [], "reference": [], "stack": [], "control": [],
-                                         "redis": []}
+                                         "redis": [], "redis-python": []}
         direct: list[DirectRate] = []
         busy: dict[str, list[float]] = {kind: [] for kind in rates}  # server core's share used
         # the two states are built side by side; each server then serves on the server core
@@ -210,9 +228,11 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
             servers["stack"] = Server("stack", events, bodies)
             servers["control"] = Server("control", events, bodies)
             servers["redis"] = Server("redis", events, bodies, redis_server.port)
+            servers["redis-python"] = Server("redis-python", events, bodies, redis_server.port)
             for server in servers.values():
                 server.wait()
-            _same_answers(servers["redis"].url, service.url, requests[:20])
+            for kind in ("redis", "redis-python"):
+                _same_answers(servers[kind].url, service.url, requests[:20])
             for kind in ("stack", "control"):  # the answer of the first body, as the service's
                 _same_answers(servers[kind].url, service.url, requests[:1])
             for _ in range(runs):
@@ -231,8 +251,9 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
             for server in servers.values():
                 server.stop()
             redis_server.stop()
-    service_rate, reference, stack, control, redis_http = (
-        statistics.median(rates[k]) for k in ("inverted", "reference", "stack", "control", "redis"))
+    service_rate, reference, stack, control, redis_http, redis_python = (
+        statistics.median(rates[k]) for k in ("inverted", "reference", "stack", "control", "redis",
+                                              "redis-python"))
     redis_direct, redis_busy, load_busy = (statistics.median(column) for column in zip(*direct, strict=True))
     used = {kind: f"{100 * statistics.median(shares):.0f}%" for kind, shares in busy.items()}
     return [
@@ -249,7 +270,10 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
                f"stack the service ran on before; server core busy: {used['control']}"),
         Figure("match_throughput_vs_reference_lookup", round(service_rate), "req/s",
                ">= 1.8 x the per-endpoint-map lookup", service_rate / reference >= 1.8,
-               round(reference), round(service_rate / reference, 3)),
+               round(reference), round(service_rate / reference, 3),
+               "control: the service with the reference plugin's lookup (each candidate's LRU asked "
+               "for each item); that lookup (stream.bench.match.ReferenceState) is not compiled, "
+               "the service's index walk is"),
         Figure("match_throughput_vs_redis_direct", round(service_rate), "req/s",
                ">= 0.15 x Redis asked directly", service_rate / redis_direct >= 0.15,
                round(redis_direct), round(service_rate / redis_direct, 3),
@@ -261,9 +285,14 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
         Figure("match_throughput_vs_redis_backed_http", round(service_rate), "req/s",
                ">= 3 x the bare handler over Redis", service_rate / redis_http >= 3,
                round(redis_http), round(service_rate / redis_http, 3),
-               "control: the bare aiohttp handler reading the body as the service does, "
-               f"one pipeline of {LOOKUPS_PER_REQUEST} SMEMBERS (redis.asyncio) per request, same "
-               "answer; Redis on the server core too"),
+               "control: the bare handler on the service's own server, reading the body as the "
+               f"service does, one pipeline of {LOOKUPS_PER_REQUEST} SMEMBERS (redis.asyncio, "
+               "answers parsed by hiredis) per request, same answer; Redis on the server core "
+               f"too; server core busy: {used['redis']}"),
+        Figure("match_throughput_vs_redis_backed_http_python_parser", round(service_rate), "req/s",
+               "reported", True, round(redis_python), round(service_rate / redis_python, 3),
+               "control: the same, with redis-py parsing Redis's answers in Python (hiredis "
+               f"hidden from it), as this control was measured before; busy: {used['redis-python']}"),
         Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "p50 <= 1.3 x the control's",
                p50 / bare_p50 <= 1.3, round(bare_p50, 3), round(p50 / bare_p50, 3),
                f"paced at {achieved:.0f} req/s (half of the {peak:.0f} peak); control: the bare "

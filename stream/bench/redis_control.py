@@ -17,13 +17,13 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 import redis.asyncio
-from aiohttp import web
+import redis.utils
 
 from stream.config import Limits
 from stream.core.items import Item, extract_items
@@ -32,11 +32,10 @@ from stream.http.models import read_match
 from stream.kafka.embedded import free_port
 
 __all__ = ["LOOKUPS_PER_REQUEST", "DirectRate", "RedisServer", "index_keys", "load_index", "pinned",
-           "redis_backed_app", "redis_benchmark_rate"]
+           "RedisRoutes", "redis_benchmark_rate", "without_hiredis"]
 
 LOOKUPS_PER_REQUEST = 8  # the items of one benchmark match request
 _LOAD_BATCH = 5_000  # SADD commands per pipeline while loading
-_CLIENT = web.AppKey("redis", redis.asyncio.Redis)
 
 
 def pinned(core: str, command: list[str]) -> list[str]:
@@ -181,40 +180,63 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def redis_backed_app(redis_port: int, keys: Mapping[str, str]) -> web.Application:
-    """The bare aiohttp handler's shape with Redis as the index: the body read as the
+class RedisRoutes:
+    """The bare handler's shape with Redis as the index, on the service's own server
+    (``stream.http.server``, so that only the index differs): the body read as the
     service reads it, one pipeline of SMEMBERS for its items, the holders intersected
     with the requested endpoints, the answer rendered as the service renders it.
 
     ``keys`` names each hash's set; a hash it lacks is held by nobody and is asked for
-    under a name that no set has, so every item costs one lookup.
+    under a name that no set has, so every item costs one lookup. redis-py parses the
+    answers with hiredis when it is installed, else in Python (``parser``).
     """
-    limits = Limits()
 
-    async def client(app: web.Application) -> AsyncIterator[None]:
-        app[_CLIENT] = redis.asyncio.Redis(host="127.0.0.1", port=redis_port, decode_responses=True)
-        yield
-        await app[_CLIENT].aclose()
+    max_body = 1 << 24
 
-    async def handler(request: web.Request) -> web.Response:
-        query = read_match(await request.read(), limits)
-        if query is None:
-            raise web.HTTPBadRequest()
-        endpoints, body = query
-        items = extract_items(body)
-        pipe = request.app[_CLIENT].pipeline(transaction=False)
-        for item in items:
-            pipe.smembers(keys.get(item.hash, f"h:{item.hash}"))
-        held = await pipe.execute()
-        requested = dict.fromkeys(endpoints)
-        found: dict[str, list[Item]] = {}
-        for item, holders in zip(items, held, strict=True):
-            for name in requested.keys() & holders:
-                found.setdefault(name, []).append(item)
-        return web.Response(body=render_match(items, list(requested), found),
-                            content_type="application/json")
+    def __init__(self, redis_port: int, keys: Mapping[str, str]) -> None:
+        from stream.http.server import Endpoint, Response
 
-    app = web.Application()
-    app.cleanup_ctx.append(client)
-    app.router.add_post("/v1/match", handler)
-    return app
+        limits = Limits()
+        self.client: redis.asyncio.Redis | None = None
+        self.parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "python"
+
+        async def handle(request: Any) -> Any:
+            query = read_match(b"".join(request.chunks), limits)
+            if query is None:
+                return Response(b'{"error":{"code":"invalid_request","message":"bad body"}}', 400)
+            if self.client is None:  # made in the server's running loop
+                self.client = redis.asyncio.Redis(host="127.0.0.1", port=redis_port, decode_responses=True)
+            endpoints, body = query
+            items = extract_items(body)
+            pipe = self.client.pipeline(transaction=False)
+            for item in items:
+                pipe.smembers(keys.get(item.hash, f"h:{item.hash}"))
+            held = await pipe.execute()
+            requested = dict.fromkeys(endpoints)
+            found: dict[str, list[Item]] = {}
+            for item, holders in zip(items, held, strict=True):
+                for name in requested.keys() & holders:
+                    found.setdefault(name, []).append(item)
+            return Response(render_match(items, list(requested), found))
+
+        self.endpoint = Endpoint(handle, lambda request: Response(b"{}", 413))
+
+    def resolve(self, method: str, path: str) -> Any:
+        """The Redis-backed match, whatever the path."""
+        return self.endpoint
+
+    async def close(self) -> None:
+        """Close the Redis client, if one was made."""
+        if self.client is not None:
+            await self.client.aclose()
+
+
+def without_hiredis(env: Mapping[str, str], root: Path) -> dict[str, str]:
+    """``env`` for a child process whose ``import hiredis`` fails (a package of that name
+    under ``root``, first on its path, that raises ImportError), so that redis-py there
+    parses in Python: the control as it was before hiredis was installed."""
+    hidden = root / "hiredis"
+    hidden.mkdir(parents=True, exist_ok=True)
+    (hidden / "__init__.py").write_text("raise ImportError('hiredis is hidden from this control')\n")
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": str(root) + (os.pathsep + path if path else "")}

@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 import shutil
 
+import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from stream.bench import redis_control
 from stream.bench.match import full_state, request_bodies
 from stream.bench.redis_control import (
+    RedisRoutes,
     RedisServer,
     index_keys,
     load_index,
-    redis_backed_app,
     redis_benchmark_rate,
 )
 from stream.config import Limits
@@ -25,6 +25,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.items import extract_items
 from stream.core.render import render_match
 from stream.http.models import read_match
+from stream.http.server import HttpServer
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server (Debian package) is not installed")
@@ -62,7 +63,11 @@ def test_redis_holds_the_reverse_index_and_the_backed_handler_answers_as_the_ser
 
     async def answers() -> int:
         matched = 0
-        async with TestClient(TestServer(redis_backed_app(server.port, keys))) as http:
+        routes = RedisRoutes(server.port, keys)
+        assert routes.parser == "hiredis"  # the dev extra installs it: the fair control
+        http_server = HttpServer(routes, on_close=routes.close)
+        port = await http_server.start("127.0.0.1", 0)
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as http:
             for raw in bodies:
                 response = await http.post("/v1/match", data=raw)
                 assert response.status == 200
@@ -72,6 +77,7 @@ def test_redis_holds_the_reverse_index_and_the_backed_handler_answers_as_the_ser
                 assert orjson.loads(await response.read()) == orjson.loads(render_match(items, requested, found))
                 matched += bool(found)
             assert (await http.post("/v1/match", data=b"{}")).status == 400
+        await http_server.close()
         return matched
 
     assert asyncio.run(answers()) > 0  # some answers do name endpoints that hold items
@@ -91,3 +97,17 @@ def test_a_missing_redis_server_says_which_package_to_install(monkeypatch):
                                            r"'redis-server' \(apt-get install redis-server\)"):
         server.start()
     server.stop()
+
+
+def test_the_python_parser_control_runs_without_hiredis(tmp_path):
+    """The control 'as it was measured before': a child whose redis-py cannot import
+    hiredis, so it parses Redis's answers in Python."""
+    import os
+    import subprocess
+    import sys
+
+    env = redis_control.without_hiredis(os.environ, tmp_path)
+    probe = "import redis.utils; print(redis.utils.HIREDIS_AVAILABLE)"
+    hidden = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert (hidden.stdout.strip(), shown.stdout.strip()) == ("False", "True")
