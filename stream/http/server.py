@@ -14,16 +14,25 @@ read in the child process, wide matches) get one.
 What it keeps of a server's duties, each here and nowhere else:
 
 - limits: a request line or header over ``MAX_LINE`` bytes, more than ``MAX_HEADERS``
-  headers, a head over ``MAX_HEAD`` bytes, a body over the API's ``max_body_bytes``
-  (by ``Content-Length`` before it is read, else as it comes: 413);
+  headers, a head over ``MAX_HEAD`` bytes (however many reads it takes), a body over the
+  API's ``max_body_bytes`` (by ``Content-Length`` before it is read, else as it comes:
+  413), and every byte of a request (chunk extensions and trailers too) against
+  ``max_body_bytes`` + ``MAX_HEAD``;
 - malformed requests: answered with CONTRACT's JSON 400 naming what was wrong by kind
-  only, and one WARNING line without the request (a parser's message can hold the
-  bytes it refused, an ``Authorization`` header's token among them);
+  only, and a WARNING line without the request (a parser's message can hold the bytes
+  it refused, an ``Authorization`` header's token among them), one per ``REFUSAL_LOG_S``
+  at most; bytes after a request that ends the connection are ignored, not refused; a
+  failure of this module or of a route's head step is a 500;
 - routes answer before the body is read when they can (``Endpoint.head``: 401 without
   a valid token, 413 by ``Content-Length``, 404/405), and the body is then discarded;
 - keep-alive, pipelining (answers in request order), ``Expect: 100-continue``, HEAD;
 - time: a head must come whole within ``HEAD_TIMEOUT_S``, a body must not stall for
-  ``BODY_IDLE_S``, an idle keep-alive connection is closed after ``KEEPALIVE_S``;
+  ``BODY_IDLE_S`` nor come slower than ``BODY_MIN_RATE`` on the whole, a refused body is
+  lingered on for ``LINGER_S`` at most, a client that takes none of its answers for
+  ``BODY_IDLE_S`` is cut off, an idle keep-alive connection is closed after ``KEEPALIVE_S``
+  (the times are parameters of ``HttpServer``);
+- backpressure: a client that does not read its answers is not read from, and one long
+  read of pipelined requests is parsed across loop turns (``TURN_S``);
 - TLS by the loop's own transport (``ssl_context``); no access log.
 """
 
@@ -42,7 +51,7 @@ from typing import Any
 import httptools
 import orjson
 
-__all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "MAX_HEAD", "MAX_HEADERS", "MAX_LINE",
+__all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "LINGER_S", "MAX_HEAD", "MAX_HEADERS", "MAX_LINE",
            "Endpoint", "HttpServer", "Request", "Response", "Routes"]
 
 log = logging.getLogger(__name__)
@@ -59,9 +68,23 @@ HEAD_TIMEOUT_S = 30.0
 BODY_IDLE_S = 30.0
 #: Seconds an idle keep-alive connection is kept (aiohttp's default).
 KEEPALIVE_S = 75.0
+#: Bytes a body must average per second after its first ``BODY_IDLE_S`` (a byte now and
+#: then keeps no request open for ever).
+BODY_MIN_RATE = 64 * 1024
 #: Bytes of a refused body read (and dropped) before the connection is closed, so
-#: that the client reads the answer rather than a reset.
+#: that the client reads the answer rather than a reset; past it the answer says
+#: ``Connection: close``.
 LINGER_BYTES = 1 << 20
+#: Seconds a refused body is read (and dropped) at most, likewise.
+LINGER_S = 2.0
+#: Bytes of one read parsed at a time, the seconds one turn of the loop parses for and
+#: the requests it answers at most, before the rest waits for the next turn (a burst of
+#: pipelined requests holds the loop ~1 ms at a time).
+FEED_SLICE = 4 * 1024
+TURN_S = 0.001
+ANSWERS_PER_TURN = 16
+#: Seconds between two warnings about refused requests (the ones between are counted).
+REFUSAL_LOG_S = 5.0
 #: Seconds ``close`` lets requests in flight finish.
 SHUTDOWN_S = 5.0
 #: Seconds between two looks at the connections' deadlines.
@@ -69,6 +92,8 @@ SWEEP_S = 1.0
 
 _PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CLOSE = b"Connection: close\r\n"
+_KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _JSON = "application/json"
 
 
@@ -123,14 +148,14 @@ class Response:
         self.headers = headers
         self.parts = parts
 
-    def head(self, close: bool) -> bytes:
-        """The status line and headers."""
+    def head(self, close: bool, keep_alive: bool = False) -> bytes:
+        """The status line and headers (``keep_alive``: an HTTP/1.0 client's, announced)."""
         length = sum(map(len, self.parts)) if self.parts is not None else len(self.body)
         extra = b"".join(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
                          for name, value in self.headers.items()) if self.headers else b""
         return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n" % (
             self.status, _PHRASES.get(self.status, b"Unknown"), self.content_type.encode("latin-1"),
-            length, extra, b"Connection: close\r\n" if close else b"")
+            length, extra, _CLOSE if close else _KEEP_ALIVE if keep_alive else b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +206,11 @@ class HeadTooLarge(_Refused):
     what = f"the request's headers are over {MAX_HEAD} bytes"
 
 
+class UpgradeRefused(_Refused):
+    kind = "HttpParserUpgrade"
+    what = "protocol upgrades are not served"
+
+
 # What was wrong, by the parser's exception class, most specific first: never its text.
 _WHAT = (
     (httptools.HttpParserInvalidMethodError, "the request line has no valid method"),
@@ -207,22 +237,38 @@ def _bad_request(what: str, kind: str) -> bytes:
            b"Connection: close\r\n\r\n%s" % (len(body), body)
 
 
+_FAILED = orjson.dumps({"error": {"code": "internal_error",
+                                  "message": "the request failed inside the service; nothing was written"}})
+#: The answer to a request this module (or a route's head step) failed on.
+_SERVER_ERROR = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n" \
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_FAILED), _FAILED)
+
+
 class _Exchange:
     """One request from its first byte to its answer."""
 
-    __slots__ = ("answer", "close", "dropped", "endpoint", "head_only", "request")
+    __slots__ = ("answer", "close", "dropped", "endpoint", "head_only", "keep_alive", "request")
 
     def __init__(self, request: Request, endpoint: Endpoint, close: bool, head_only: bool) -> None:
         self.request = request
         self.endpoint = endpoint
         self.close = close
         self.head_only = head_only
+        self.keep_alive = False  # an HTTP/1.0 keep-alive, announced in the answer
         self.answer: Response | None = None  # answered before its body came
         self.dropped = 0  # bytes of a refused body dropped
 
 
+class _Stop(Exception):
+    """Raised in a parser callback to stop parsing: nothing after the last request is read."""
+
+
 class _Connection(asyncio.Protocol):
-    """One client connection: parses requests and answers them in order."""
+    """One client connection: parses requests and answers them in order.
+
+    Reading pauses while a route answers in a task, while the socket does not take what
+    was written (the transport's high-water mark: a client that does not read is not
+    answered further), and while a long read is parsed in slices across loop turns."""
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
@@ -238,10 +284,21 @@ class _Connection(asyncio.Protocol):
         self.last: bytes | None = None  # sent once the answers before it are, then closed
         self._writable: asyncio.Future[None] | None = None
         self.deadline = 0.0  # the loop's time at which the connection is closed if idle
+        self.write_by = 0.0  # while the socket takes nothing: the loop's time it is aborted at
+        self._keepalive = server.keepalive_s
+        self._body_limit = server.routes.max_body + MAX_HEAD  # raw bytes of a request, trailers too
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head = 0  # bytes of the head so far
+        self._raw = 0  # bytes of the request in progress, from the reads after the one it began in
+        self._body_from = 0.0  # the loop's time its body was first waited for
         self._in_head = False
+        self._reading = True
+        self._write_paused = False
+        self._backlog = b""  # read, not yet parsed (parsing goes on next turn)
+        self._scheduled = False
+        self._turn = 0  # requests answered this turn of the loop
+        self._continue: _Exchange | None = None  # owed "100 Continue" once the answers before it are sent
+        self._linger = -1  # bytes still dropped before closing (>= 0: lingering)
 
     # -- the transport's side --------------------------------------------------------------
 
@@ -250,57 +307,118 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) else None
         self.server.connections.add(self)
-        self._arm(KEEPALIVE_S)
+        self._arm(self._keepalive)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        self._linger = -1
+        self._backlog = b""
         self.server.connections.discard(self)
         # a route answering goes on (a write it began is not cut short); its answer is dropped
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 
     def pause_writing(self) -> None:
+        self._write_paused = True
+        self.write_by = self.loop.time() + self.server.body_idle_s
         if self._writable is None or self._writable.done():
             self._writable = self.loop.create_future()
+        self._update_reading()
 
     def resume_writing(self) -> None:
+        self._write_paused = False
+        self.write_by = 0.0
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
+        self._go_on_soon()
 
-    def data_received(self, data: bytes) -> None:
-        if self.closing or self.last is not None:
-            return
-        if self._in_head or self.current is None:
-            self._head += len(data)
+    def data_received(self, data: bytes, sliced: bool = False) -> None:
+        if not sliced:  # (``sliced``: a slice of one read, from ``_feed_slices``)
+            self._turn = 0
+            if self.closing:
+                if self._linger >= 0:  # a refused request's rest, dropped
+                    self._linger -= len(data)
+                    if self._linger < 0 and self.transport is not None:
+                        self.transport.close()
+                return
+            if self.last is not None:
+                return
+            if self._backlog:  # parsed after what came before it
+                self._backlog += data
+                return
+            if len(data) > FEED_SLICE:
+                self._feed_slices(data)
+                return
+        if self._in_head or self.current is not None:  # counted whole: a head or trailer line without end
+            self._raw += len(data)
         try:
             self.parser.feed_data(data)
-            if self._in_head and self._head > MAX_HEAD:
-                raise HeadTooLarge()
+        except httptools.HttpParserCallbackError as exc:
+            if self.closing or self.last is not None:  # a stop, or bytes after the last request
+                return
+            if isinstance(exc.__context__, _Refused):
+                self._refuse(exc.__context__)
+            else:  # this module's or a route's own failure: logged by kind only, as a refusal is
+                log.error("the HTTP server failed on a request from %s: %s (its text is not logged)",
+                          self.remote, type(exc.__context__).__name__)
+                self.current, self._in_head = None, False
+                self._end_after_answers(_SERVER_ERROR)
+            return
         except httptools.HttpParserUpgrade:
+            if self.closing or self.last is not None:
+                return
             if self.current is not None or self._in_head:  # upgrading before the body came
                 self._refuse(httptools.HttpParserUpgrade())
             else:  # the request before it is answered; nothing after it is read
                 self._end_after_answers(b"")
-        except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _Refused):
-                self._refuse(exc.__context__)
-            else:  # this module's own failure: logged by kind only, as a refusal is
-                log.error("the HTTP server failed on a request from %s: %s (its text is not logged)",
-                          self.remote, type(exc.__context__).__name__)
-                self._refuse(exc, logged=True)
+            return
         except Exception as exc:  # noqa: BLE001 - every refusal is answered alike
-            self._refuse(exc)
-        else:
-            if self.current is not None and not self._in_head:  # a head's time runs from its start
-                self._arm(BODY_IDLE_S)
+            if not (self.closing or self.last is not None):  # bytes after the last request: ignored
+                self._refuse(exc)
+            return
+        if self._in_head:
+            if self._raw > MAX_HEAD:
+                self._refuse(HeadTooLarge())
+        elif self.current is not None:  # a body (or its trailer) still coming
+            if self._raw > self._body_limit:
+                self._too_large(self.current)
+            else:
+                self._arm_body(self.current)
+
+    def _feed_slices(self, data: bytes) -> None:
+        """A long read parsed a slice at a time; past ``TURN_S`` (or once answering
+        waits) the rest waits for the next turn, reading paused, so one read of many
+        pipelined requests does not hold the loop."""
+        until = self.loop.time() + TURN_S
+        size, start = len(data), 0
+        while start < size:
+            step, current = FEED_SLICE, self.current
+            if current is not None and not self._in_head:  # a body by length: fed whole
+                length = current.request.content_length
+                if length is not None:
+                    step = max(step, length - current.request.size - current.dropped)
+            rest = start + step
+            self.data_received(data if start == 0 and rest >= size else data[start:rest], True)
+            start = rest
+            if self.closing or self.last is not None or rest >= size:
+                return
+            if self.busy is not None or self._write_paused or self.queue or self.loop.time() > until:
+                self._backlog = data[rest:]
+                self._update_reading()
+                self._go_on_soon()
+                return
 
     # -- the parser's callbacks --------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.last is not None or self.closing:
+            raise _Stop()
         self._in_head = True
         self._url = b""
         self._headers = []
-        self._arm(HEAD_TIMEOUT_S)
+        self._raw = 0
+        self._body_from = 0.0
+        self._arm(self.server.head_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -317,31 +435,46 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._head = 0
         parser = self.parser
         headers: dict[str, str] = {}
+        url = self._url
         for name, value in self._headers:
             headers.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
-        url = self._url
+        if len(self._headers) * (MAX_LINE + 2) + len(url) > MAX_HEAD and len(url) + sum(  # else it cannot be
+                len(name) + len(value) + 4 for name, value in self._headers) > MAX_HEAD:
+            raise HeadTooLarge()  # the whole head, however many reads it came in
         path, _, query = url.partition(b"?")
         method = parser.get_method().decode("latin-1")
+        if ("upgrade" in headers or method == "CONNECT") and parser.should_upgrade() and (
+                "transfer-encoding" in headers or headers.get("content-length", "0") != "0"):
+            raise UpgradeRefused()  # the parser would skip its body: answered without it
         request = Request(method, path.decode("utf-8", "surrogateescape"),
                           query.decode("utf-8", "surrogateescape"), headers, self.remote)
         routes = self.routes
         endpoint = routes.resolve(method, request.path)
-        exchange = _Exchange(request, endpoint, not parser.should_keep_alive(), method == "HEAD")
+        close = not parser.should_keep_alive()
+        exchange = _Exchange(request, endpoint, close, method == "HEAD")
+        if not close and "connection" in headers and parser.get_http_version() == "1.0":
+            exchange.keep_alive = True
         self.current = exchange
         answer = endpoint.head(request) if endpoint.head is not None else None
-        if answer is None:
-            length = request.content_length
-            if length is not None and length > routes.max_body:
-                answer = endpoint.too_large(request)
+        length = request.content_length
+        if answer is None and length is not None and length > routes.max_body:
+            answer = endpoint.too_large(request)
+        expect = "expect" in headers and headers["expect"].lower() == "100-continue"
         if answer is not None:
             exchange.answer = answer
-            if not self.queue and self.busy is None:  # nothing before it: answered at once
+            if expect or (length is not None and length > LINGER_BYTES):
+                exchange.close = True  # the body is not waited for (the client may not send it)
+            if not self.queue and self.busy is None and not self._write_paused:  # nothing before it
                 self._write(exchange, answer)
-        elif "expect" in headers and headers["expect"].lower() == "100-continue" and self.transport:
-            self.transport.write(_CONTINUE)
+            elif expect:  # the client waits for this answer (or a 100) before its body
+                self._cut(exchange)
+        elif expect:
+            if not self.queue and self.busy is None and not self._write_paused and self.transport:
+                self.transport.write(_CONTINUE)
+            else:  # sent once the answers before it are
+                self._continue = exchange
 
     def on_body(self, body: bytes) -> None:
         exchange = self.current
@@ -350,15 +483,14 @@ class _Connection(asyncio.Protocol):
         if exchange.answer is not None:  # refused before its body: dropped as it comes
             exchange.dropped += len(body)
             if exchange.dropped > LINGER_BYTES:
-                exchange.close = True
-                self._close_after_answers()
+                self._cut(exchange)
             return
         request = exchange.request
         request.size += len(body)
         if request.size > self.routes.max_body:
             request.chunks.clear()
             exchange.answer, exchange.close = exchange.endpoint.too_large(request), True
-            if not self.queue and self.busy is None:
+            if not self.queue and self.busy is None and not self._write_paused:
                 self._write(exchange, exchange.answer)
             return
         request.chunks.append(body)
@@ -367,10 +499,14 @@ class _Connection(asyncio.Protocol):
         exchange, self.current = self.current, None
         if exchange is None:
             return
+        if self._continue is exchange:  # its body came without waiting for the 100
+            self._continue = None
         if exchange.request.scratch is _WRITTEN:  # answered before its body came
             if not self.queue and self.busy is None:
-                self._arm(KEEPALIVE_S)
+                self._arm(self._keepalive)
             return
+        if exchange.close and self.last is None:  # nothing after it is read
+            self.last = b""
         self.queue.append(exchange)
         if self.busy is None:
             self._answer_queue()
@@ -379,24 +515,76 @@ class _Connection(asyncio.Protocol):
 
     def _answer_queue(self) -> None:
         """Answer the waiting requests in order: at once where the route can, else in a
-        task (reading pauses until it ends, so the answers stay in order)."""
+        task (reading pauses until it ends, so the answers stay in order); none while
+        the socket does not take what was written."""
         queue = self.queue
         while queue and not self.closing:
+            if self._write_paused:  # answered once the client reads (``resume_writing``)
+                self._update_reading()
+                return
+            self._turn += 1
+            if self._turn > ANSWERS_PER_TURN:  # the rest next turn
+                self._update_reading()
+                self._go_on_soon()
+                return
             exchange = queue.popleft()
             answer = exchange.answer
             if answer is None and exchange.endpoint.now is not None:
                 answer = exchange.endpoint.now(exchange.request)
             if answer is None:
-                if self.transport is not None:
-                    self.transport.pause_reading()
                 self.busy = task = self.loop.create_task(self._in_task(exchange))
                 self.server.tasks.add(task)
                 task.add_done_callback(self.server.tasks.discard)
+                self._update_reading()
                 return
             if exchange.request.scratch is not _WRITTEN:
                 self._write(exchange, answer)
-        if self.last is not None and not queue and not self.closing:
+        if self.closing:
+            return
+        if self.last is not None:
             self._send_and_close(self.last)
+        elif self._continue is not None:
+            if self._continue is self.current and self.transport is not None:
+                self.transport.write(_CONTINUE)
+            self._continue = None
+
+    def _go_on_soon(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        """Go on where answering or parsing stopped: the answers due, then what was
+        read and not yet parsed, then reading."""
+        self._scheduled = False
+        self._turn = 0
+        if self.closing:
+            return
+        if self.busy is None and not self._write_paused:
+            if self.queue or self.last is not None or self._continue is not None:
+                self._answer_queue()
+            if self._backlog and self.busy is None and not self._write_paused and not self.closing \
+                    and self.last is None and not self.queue:
+                data, self._backlog = self._backlog, b""
+                self._feed_slices(data)
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read while nothing holds reading back (a lingering close reads to drop)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.closing:
+            want = self._linger >= 0
+        else:
+            want = self.busy is None and not self._write_paused and not self._backlog and self.last is None \
+                and not self.queue
+        if want != self._reading:
+            self._reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     async def _in_task(self, exchange: _Exchange) -> None:
         try:
@@ -410,9 +598,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self.busy = None
         if not self.closing:
-            if self.transport is not None:
-                self.transport.resume_reading()
-            self._answer_queue()
+            self._go_on()
 
     def _write(self, exchange: _Exchange, answer: Response) -> None:
         transport = self.transport
@@ -420,7 +606,7 @@ class _Connection(asyncio.Protocol):
         if transport is None or self.closing:
             return
         close = exchange.close or self.server.stopping
-        head = answer.head(close)
+        head = answer.head(close, exchange.keep_alive)
         if exchange.head_only:
             transport.write(head)
         elif answer.parts is not None:
@@ -430,19 +616,23 @@ class _Connection(asyncio.Protocol):
         else:  # not copied into one buffer
             transport.writelines([head, answer.body])
         if close:
-            self._close_after_answers()
+            if exchange is self.current:  # its body still coming: some of it read, and dropped
+                self._linger_out()
+            else:
+                self._close_after_answers()
         elif not self.queue and self.current is None:
-            self._arm(KEEPALIVE_S)
+            self._arm(self._keepalive)
 
     async def _write_parts(self, exchange: _Exchange, answer: Response) -> None:
         """A sliced answer: each part written once the socket took the last, the loop
-        turning between parts (a socket that takes everything never makes us wait)."""
+        turning between parts (a socket that takes everything never makes us wait; one
+        that takes nothing for ``body_idle_s`` is aborted by the sweep, which ends this)."""
         transport = self.transport
         exchange.request.scratch = _WRITTEN
         if transport is None or self.closing:
             return
         close = exchange.close or self.server.stopping
-        transport.write(answer.head(close))
+        transport.write(answer.head(close, exchange.keep_alive))
         for part in answer.parts or ():
             if self.closing:
                 return
@@ -453,19 +643,41 @@ class _Connection(asyncio.Protocol):
         if close:
             self._close_after_answers()
         else:
-            self._arm(KEEPALIVE_S)
+            self._arm(self._keepalive)
 
     # -- refusing and closing -----------------------------------------------------------------
 
-    def _refuse(self, exc: BaseException, logged: bool = False) -> None:
+    def _refuse(self, exc: BaseException) -> None:
         """Answer a request the parser (or a limit) refused with the JSON 400, after the
-        answers due before it; nothing it held is logged or echoed."""
+        answers due before it; nothing it held is logged or echoed, and the warnings are
+        one line per ``REFUSAL_LOG_S`` at most."""
         kind, what = _describe(exc)
-        if not logged:
-            log.warning("refused a malformed HTTP request from %s with 400: %s (the request is not "
-                        "logged)", self.remote, kind)
+        self.server.refused(self.remote, kind)
         self.current, self._in_head = None, False
         self._end_after_answers(_bad_request(what, kind))
+
+    def _too_large(self, exchange: _Exchange) -> None:
+        """More bytes of one request than its body and head may hold (a trailer or a chunk
+        extension without end counts): 413, and nothing more of it is read."""
+        if exchange.answer is None:
+            exchange.request.chunks.clear()
+            exchange.answer = exchange.endpoint.too_large(exchange.request)
+        self._cut(exchange)
+
+    def _cut(self, exchange: _Exchange) -> None:
+        """Nothing more of ``exchange`` (the request in progress) is parsed: its answer is
+        the last, sent after the answers due, then the connection closes."""
+        exchange.close = True
+        self._in_head = False
+        if exchange.request.scratch is _WRITTEN:
+            self._linger_out()
+        elif not self.queue and self.busy is None and not self._write_paused:
+            self._write(exchange, exchange.answer)  # type: ignore[arg-type]
+        else:
+            self.current = None
+            self.queue.append(exchange)
+            self.last = b""
+            self._update_reading()
 
     def _end_after_answers(self, last: bytes) -> None:
         """Read nothing more; send ``last`` once the answers due are, then close."""
@@ -473,8 +685,7 @@ class _Connection(asyncio.Protocol):
             self._send_and_close(last)
         else:
             self.last = last
-            if self.transport is not None:
-                self.transport.pause_reading()
+            self._update_reading()
 
     def _send_and_close(self, raw: bytes) -> None:
         if self.transport is not None and not self.closing:
@@ -482,24 +693,76 @@ class _Connection(asyncio.Protocol):
         self._close_after_answers()
 
     def _close_after_answers(self) -> None:
-        """Close once what was written is sent (the transport flushes it first)."""
+        """Close once what was written is sent (the transport flushes it first; a client
+        that takes nothing of it for ``body_idle_s`` is cut off by the sweep)."""
         if self.transport is not None and not self.closing:
             self.closing = True
+            self.deadline = self.loop.time() + self.server.body_idle_s
             self.transport.close()
+
+    def _linger_out(self) -> None:
+        """Close after an answer whose request's bytes may still come: the answer is
+        sent and our side shut, and what still comes is read and dropped (at most
+        ``LINGER_BYTES``, ``linger_s``), so that the client reads the answer rather than
+        a reset."""
+        self.current, self._in_head = None, False
+        transport = self.transport
+        if transport is None or self.closing:
+            return
+        self.closing = True
+        self._linger = LINGER_BYTES
+        self.deadline = self.loop.time() + self.server.linger_s
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._update_reading()
 
     def _arm(self, seconds: float) -> None:
         """Close the connection if it is still idle ``seconds`` from now (the server's
-        sweep looks every ``SWEEP_S``; no timer per request)."""
+        sweep looks every ``sweep_s``; no timer per request)."""
         self.deadline = self.loop.time() + seconds
 
-    def expire(self) -> None:
-        """The deadline passed: close (a request half-read is cut off)."""
-        if self.busy is not None:  # a route is answering: its own time is its own
-            self._arm(KEEPALIVE_S)
+    def _arm_body(self, exchange: _Exchange) -> None:
+        """A body's deadline: ``body_idle_s`` without a byte, and its whole no later than
+        ``body_idle_s`` plus its bytes at ``BODY_MIN_RATE``; a refused body is lingered on
+        for ``linger_s`` at most."""
+        server = self.server
+        now = self.loop.time()
+        if not self._body_from:
+            self._body_from = now
+        if exchange.answer is not None:
+            whole = self._body_from + server.linger_s
+        else:
+            whole = self._body_from + server.body_idle_s + self._raw / BODY_MIN_RATE
+        self.deadline = min(now + server.body_idle_s, whole)
+
+    def expire(self, now: float) -> None:
+        """A deadline passed: close (a request half-read is cut off, and so is a client
+        that does not take what was written)."""
+        transport = self.transport
+        if transport is None:
             return
-        if self.transport is not None and not self.closing:
+        if self.closing:  # lingering, or flushing a last answer: no longer
+            if self._linger >= 0 and not transport.get_write_buffer_size():
+                self._linger = -1
+                self.deadline = now + self.server.body_idle_s
+                transport.close()
+            else:
+                transport.abort()
+            return
+        if 0.0 < self.write_by < now:  # the socket took nothing of what was written
             self.closing = True
-            self.transport.abort() if self.current is not None or self._in_head else self.transport.close()
+            transport.abort()
+            return
+        if self.busy is not None:  # a route is answering: its own time is its own
+            self._arm(self._keepalive)
+            return
+        current = self.current
+        if transport.get_write_buffer_size() or self._in_head or (
+                current is not None and current.request.scratch is not _WRITTEN):
+            self.closing = True
+            transport.abort()
+        else:  # idle, or lingering on a refused body whose answer went out
+            self._close_after_answers()
 
     def shutdown(self) -> None:
         """Close now if idle; else once the answer in flight is written."""
@@ -516,9 +779,20 @@ class HttpServer:
     """Serves ``routes`` on a host and port of the running loop, over TLS when given a
     context; ``close`` stops taking connections and ends the open ones."""
 
-    def __init__(self, routes: Routes, on_close: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(self, routes: Routes, on_close: Callable[[], Awaitable[None]] | None = None, *,
+                 keepalive_s: float | None = None, head_timeout_s: float | None = None,
+                 body_idle_s: float | None = None, linger_s: float | None = None,
+                 sweep_s: float | None = None) -> None:
         self.routes = routes
         self.on_close = on_close
+        # the module's figures unless given (tests give small ones)
+        self.keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
+        self.head_timeout_s = HEAD_TIMEOUT_S if head_timeout_s is None else head_timeout_s
+        self.body_idle_s = BODY_IDLE_S if body_idle_s is None else body_idle_s
+        self.linger_s = LINGER_S if linger_s is None else linger_s
+        self.sweep_s = SWEEP_S if sweep_s is None else sweep_s
+        self._refusals_logged_at = -REFUSAL_LOG_S  # the loop's time of the last warning
+        self._refusals_left_out = 0
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # routes answering in tasks of their own
         self.stopping = False
@@ -533,15 +807,27 @@ class HttpServer:
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
                                                      ssl=ssl_context, backlog=backlog,
                                                      reuse_address=True)
-        self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
+        self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
 
     def _sweep(self) -> None:
-        """Close the connections whose deadline passed (``_Connection._arm``)."""
+        """Close the connections whose deadline passed (``_Connection._arm``), or whose
+        socket took nothing for too long (``_Connection.write_by``)."""
         now = self.loop.time()
-        for connection in [c for c in self.connections if c.deadline < now]:
-            connection.expire()
-        self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
+        for connection in [c for c in self.connections if c.deadline < now or 0.0 < c.write_by < now]:
+            connection.expire(now)
+        self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
+
+    def refused(self, remote: str | None, kind: str) -> None:
+        """One WARNING line per ``REFUSAL_LOG_S`` about refused requests, the next one
+        saying how many were left out (a client sending garbage floods no log)."""
+        now = self.loop.time()
+        if now - self._refusals_logged_at < REFUSAL_LOG_S:
+            self._refusals_left_out += 1
+            return
+        left_out, self._refusals_left_out, self._refusals_logged_at = self._refusals_left_out, 0, now
+        log.warning("refused a malformed HTTP request from %s with 400: %s (the request is not logged)%s",
+                    remote, kind, f"; {left_out} more refused before it, not logged" if left_out else "")
 
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (at most ``SHUTDOWN_S``), close
