@@ -206,6 +206,11 @@ class HeadTooLarge(_Refused):
     what = f"the request's headers are over {MAX_HEAD} bytes"
 
 
+class FramingTooLarge(_Refused):
+    kind = "FramingTooLarge"
+    what = f"over {MAX_HEAD} bytes of a body's framing (chunk extensions, trailers) in a row"
+
+
 class UpgradeRefused(_Refused):
     kind = "HttpParserUpgrade"
     what = "protocol upgrades are not served"
@@ -230,8 +235,12 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, "the request could not be read"
 
 
+def _bad_body(what: str, kind: str) -> bytes:
+    return orjson.dumps({"error": {"code": "bad_request", "message": f"{what} ({kind}); nothing was read"}})
+
+
 def _bad_request(what: str, kind: str) -> bytes:
-    body = orjson.dumps({"error": {"code": "bad_request", "message": f"{what} ({kind}); nothing was read"}})
+    body = _bad_body(what, kind)
     # HTTP/1.0: the request's own version may be what could not be read
     return b"HTTP/1.0 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
            b"Connection: close\r\n\r\n%s" % (len(body), body)
@@ -291,6 +300,8 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._raw = 0  # bytes of the request in progress, from the reads after the one it began in
         self._body_from = 0.0  # the loop's time its body was first waited for
+        self._body_seen = 0  # bytes of its content at the last read
+        self._stale = 0  # bytes read since without any of its content (framing, trailers)
         self._in_head = False
         self._reading = True
         self._write_paused = False
@@ -380,10 +391,18 @@ class _Connection(asyncio.Protocol):
             if self._raw > MAX_HEAD:
                 self._refuse(HeadTooLarge())
         elif self.current is not None:  # a body (or its trailer) still coming
+            current = self.current
+            got = current.request.size + current.dropped
+            if not self._body_from or got != self._body_seen:
+                self._body_seen, self._stale = got, 0
+            else:  # a trailer or a chunk extension without end is buffered by the parser
+                self._stale += len(data)
             if self._raw > self._body_limit:
-                self._too_large(self.current)
+                self._too_large(current)
+            elif self._stale > MAX_HEAD:
+                self._framing_too_large(current)
             else:
-                self._arm_body(self.current)
+                self._arm_body(current)
 
     def _feed_slices(self, data: bytes) -> None:
         """A long read parsed a slice at a time; past ``TURN_S`` (or once answering
@@ -662,6 +681,14 @@ class _Connection(asyncio.Protocol):
         if exchange.answer is None:
             exchange.request.chunks.clear()
             exchange.answer = exchange.endpoint.too_large(exchange.request)
+        self._cut(exchange)
+
+    def _framing_too_large(self, exchange: _Exchange) -> None:
+        """A 400, and nothing more of the request is read."""
+        self.server.refused(self.remote, FramingTooLarge.kind)
+        if exchange.answer is None:
+            exchange.request.chunks.clear()
+            exchange.answer = Response(_bad_body(FramingTooLarge.what, FramingTooLarge.kind), 400)
         self._cut(exchange)
 
     def _cut(self, exchange: _Exchange) -> None:

@@ -144,28 +144,51 @@ def test_a_client_that_never_reads_stops_the_server_reading_and_its_answers_stay
     assert statuses(answers) == [200] * 201  # once read, every answer comes, in order
 
 
-def test_an_unfinished_trailer_counts_against_the_body_limit():
-    api = make_api(Limits(max_body_bytes=1000))
+def endless(port: int, head: bytes, block: bytes, most: int) -> tuple[int, bytes]:
+    """(bytes sent, the answer) of ``head`` then ``block`` again and again until the
+    server answers (or ``most`` bytes went)."""
+    with connect(port) as sock:
+        sock.sendall(head)
+        sent = 0
+        while sent < most and not select.select([sock], [], [], 0)[0]:
+            try:
+                sock.sendall(block)
+            except OSError:
+                break
+            sent += len(block)
+        return sent, read_all(sock)
 
-    def talk(port: int) -> tuple[int, bytes]:
-        with connect(port) as sock:
-            sock.sendall(b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         b"2\r\n{}\r\n0\r\nX-Trailer: ")
-            sent, block = 0, b"a" * 65536
-            while sent < 16 << 20 and not select.select([sock], [], [], 0)[0]:
-                try:
-                    sock.sendall(block)
-                except OSError:
-                    break
-                sent += len(block)
-            return sent, read_all(sock)
 
-    async def run() -> tuple[int, bytes]:
+def test_an_unfinished_trailer_or_chunk_extension_is_refused_once_over_the_head_limit():
+    api = make_api(Limits(max_body_bytes=1 << 20))
+    chunked = b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def run() -> list[tuple[int, bytes, float]]:
         async with serving(api) as (_, port):
-            return await in_thread(talk, port)
+            answers = []
+            for head in (chunked + b"2\r\n{}\r\n0\r\nX-Trailer: ", chunked + b"2;x="):
+                started = time.monotonic()
+                sent, answer = await in_thread(endless, port, head, b"a" * 65536, 64 << 20)
+                answers.append((sent, answer, time.monotonic() - started))
+            return answers
 
-    sent, answer = asyncio.run(run())
-    assert statuses(answer) == [413] and b"Connection: close" in answer and sent < 16 << 20
+    for sent, answer, seconds in asyncio.run(run()):
+        assert statuses(answer) == [400] and b"FramingTooLarge" in answer and b"Connection: close" in answer
+        assert sent < 4 << 20 and seconds < 5
+
+
+def test_every_byte_of_a_request_counts_against_the_body_limit():
+    api = make_api(Limits(max_body_bytes=200_000))
+    one = b"1\r\na\r\n"  # 6 bytes a byte of content
+    raw = (b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           + one * 150_000)  # 900 KB: under the limit by content (150 KB), over it by bytes
+
+    async def run() -> bytes:
+        async with serving(api) as (_, port):
+            return await in_thread(exchange, port, raw)  # the body never ends: only a 413 ends this
+
+    answer = asyncio.run(run())
+    assert statuses(answer) == [413] and b"Connection: close" in answer
 
 
 def test_one_large_pipelined_write_of_small_matches_does_not_hold_the_loop():
