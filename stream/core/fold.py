@@ -95,10 +95,12 @@ class Fold:
                 held = holders.get(digest)
                 if held is None:
                     holders[digest] = name
-                elif type(held) is str:
-                    holders[digest] = (held, name)
+                elif type(held) is str:  # idempotent, as hold is: a stale index heals
+                    if held != name:
+                        holders[digest] = (held, name)
                 elif type(held) is tuple:
-                    holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
+                    if name not in held:
+                        holders[digest] = held + (name,) if len(held) < TUPLE_MAX else {*held, name}
                 else:
                     held.add(name)
             else:

@@ -887,3 +887,23 @@ def test_hashes_and_names_are_stored_once_whatever_carried_them():
     (held,) = state.holders.values()
     names = {id(name) for name in state.endpoints}
     assert {id(name) for name in held} == names
+
+
+def test_placing_an_item_whose_stale_index_entry_names_the_endpoint_heals_it():
+    """An index out of step with the LRUs (a restore over a live endpoint leaves its old
+    hash indexed) must heal as a set's add did: the fold holds a name at most once."""
+    state = CacheState(Capacity("items", 4))
+    placed = iter(range(100))
+
+    def place(endpoint: str, digest: str) -> None:
+        state.apply(ItemsPlaced(endpoint=endpoint, items=[Item(digest, 1, "image")]), Position(0, next(placed)))
+
+    place("a", "h0")
+    place("b", "h0")
+    state.restore_lru(0, "a", [("h1", 1)])  # a's h0 stays indexed, stale
+    place("a", "h0")
+    assert state.hits([Item("h0", 1, "image")], ["a", "b"])[1] == {"a": [Item("h0", 1, "image")],
+                                                                  "b": [Item("h0", 1, "image")]}
+    for n in range(2, 6):  # evict h0 from a's LRU of 4
+        place("a", f"h{n}")
+    assert state.holders["h0"] == {"b"}

@@ -428,7 +428,7 @@ def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
     # LRU swapped for another endpoint's, then back
     swapped = restore_copy(state)
     names = sorted(state.endpoints)
-    for name, other in zip(names, names[1:] + names[:1]):
+    for name, other in zip(names, names[1:] + names[:1], strict=True):
         swapped.replace_lru(state.endpoints[name].partition, name,
                             list(state.endpoints[other].entries.items()))
         check_compact(swapped, 2)
