@@ -202,7 +202,7 @@ def _same_answers(url: str, expected_url: str, bodies: list[bytes]) -> None:
             raise RuntimeError(f"the control at {url} answers {body[:80]!r} otherwise than the service")
 
 
-def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
+def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 10) -> list[Figure]:
     """Throughput against the bare control, the reference lookup and the two Redis
     controls, then latency at half the measured peak, then the cost breakdown."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,10 +243,10 @@ def match_figures(events: int, seconds: int, runs: int) -> list[Figure]:
                     busy[kind].append(share)
                 direct.append(redis_benchmark_rate(redis_server, lookups, seconds, LOAD_CORE))
             peak = statistics.median(rates["inverted"])
-            p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, max(seconds, 5))
+            p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, latency_seconds)
             # the same paced load on the bare aiohttp handler: the stack the service left
             bare_p50, bare_p99, _ = wrk_paced_latency(servers["control"].url, bodies, peak / 2,
-                                                      max(seconds, 5))
+                                                      latency_seconds)
         finally:
             for server in servers.values():
                 server.stop()

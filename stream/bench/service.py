@@ -114,14 +114,15 @@ def freshness_figures(bootstrap: str, samples: int) -> list[Figure]:
             Figure("freshness_p99", round(p99, 2), "ms", "<= 50 ms", p99 <= 50, note=note)]
 
 
-def ingest_figures(bootstrap: str, seconds: int) -> list[Figure]:
+def ingest_figures(bootstrap: str, seconds: int,
+                   headroom_events_per_s: int = INGEST_HEADROOM_EVENTS_PER_S) -> list[Figure]:
     """Placements applied per second by one worker from a full topic, against a raw
     aiokafka consume of the same records."""
     app_id = f"bench-ingest-{time.time_ns()}"
     topic = f"{app_id}-events"
-    # enough that a worker at INGEST_HEADROOM_EVENTS_PER_S does not drain the topic within
-    # the window (2 s more for the events applied before it opens)
-    events = INGEST_HEADROOM_EVENTS_PER_S * (seconds + 2)
+    # enough that a worker at headroom_events_per_s does not drain the topic within the
+    # window (2 s more for the events applied before it opens)
+    events = headroom_events_per_s * (seconds + 2)
     asyncio.run(produce_placements(bootstrap, topic, events))
     items_per_event = statistics.mean(len(e.items) for e in Workload().placed_events(20_000))
     control = asyncio.run(raw_consume_rate(bootstrap, topic))

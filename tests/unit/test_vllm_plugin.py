@@ -337,8 +337,9 @@ def test_a_post_that_times_out_is_counted_and_resynced(recorder, make_manager, c
     scheduler = Scheduler(manager, 12)
     for _ in range(50):
         scheduler.step()
-    wait_for(lambda: manager.reporter.counters().posts_failed >= 1)
-    assert any("timed out" in record.getMessage() for record in caplog.records)
+    # the sender counts the failure, then logs it on its next step
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 1
+             and any("timed out" in record.getMessage() for record in caplog.records))
     recorder.hold.set()
     expected = scheduler.holdings()
     assert expected
