@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ import struct
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,6 +51,10 @@ INLINE_BYTES = 256 * 1024
 #: 8,192 small JSON values cost ~1 ms to parse and walk.
 INLINE_VALUES = 8192
 
+#: Bytes written to the child a turn of the loop. One write of a whole 16 MiB body to a
+#: pipe that the child drains as it fills copied for ~10 ms in one call (20-40 ms of
+#: the loop's time on a busy machine); 256 KiB copy in ~0.1 ms.
+WRITE_SLICE = 256 * 1024
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 _REQUEST = struct.Struct(">HQ")  # reader name length, body length
 _ANSWER = struct.Struct(">Q")    # pickled answer length
@@ -70,6 +75,7 @@ class BodyReader:
         self.inline_values = inline_values
         self._child: _Child | None = None
         self._starting = asyncio.Lock()
+        self._closed = False
 
     def small(self, chunks: Sequence[bytes]) -> bytes | None:
         """The body, if reading it on the loop costs at most ~1-2 ms; else ``None``."""
@@ -105,6 +111,9 @@ class BodyReader:
                                "retry is safe") from None
 
     async def _ask(self, reader: Callable[[bytes, Limits], T], chunks: Sequence[bytes]) -> T:
+        if self._closed:
+            raise ApiError(503, "body_reader_unavailable", "the service is stopping; nothing was "
+                           "written, retry is safe")
         child = self._child
         if child is None or child.dead:
             async with self._starting:
@@ -116,6 +125,7 @@ class BodyReader:
     async def close(self) -> None:
         """Stop the child, if one was started (the application's cleanup: no request is
         in flight any more)."""
+        self._closed = True
         child, self._child = self._child, None
         if child is not None:
             await child.stop()
@@ -130,6 +140,8 @@ class _Child:
         self.requests = requests
         self.pending: deque[asyncio.Future[Any]] = deque()
         self.dead = False
+        self._writing = asyncio.Lock()
+        self._writes: set[asyncio.Task[None]] = set()
         self._answers = asyncio.get_running_loop().create_task(self._read_answers(answers))
 
     @classmethod
@@ -157,17 +169,43 @@ class _Child:
         """Send one body; return the reader's value or raise its ``ApiError``."""
         if self.dead:
             raise _ChildEnded()
-        stdin = self.requests
         answer = asyncio.get_running_loop().create_future()
-        self.pending.append(answer)
-        encoded = name.encode()
-        stdin.write(_REQUEST.pack(len(encoded), sum(map(len, chunks))) + encoded)
-        stdin.writelines(chunks)  # no await since the header: frames never interleave
-        try:
-            await stdin.drain()
-        except (ConnectionError, RuntimeError):
-            self._fail()
+        # A task of its own, so that a request that goes away still leaves its frame whole.
+        write = asyncio.get_running_loop().create_task(self._write_frame(name, chunks, answer))
+        self._writes.add(write)
+        write.add_done_callback(functools.partial(self._written, answer))
         return await answer
+
+    async def _write_frame(self, name: str, chunks: Sequence[bytes], answer: asyncio.Future[Any]) -> None:
+        """Write one body's frame, ``WRITE_SLICE`` bytes a turn of the loop: the frames go
+        one at a time, in the order of ``pending``."""
+        async with self._writing:
+            if self.dead:
+                raise _ChildEnded()
+            if answer.done():  # its request went away before a byte of it was written
+                return
+            self.pending.append(answer)
+            encoded = name.encode()
+            stdin = self.requests
+            try:
+                stdin.write(_REQUEST.pack(len(encoded), sum(map(len, chunks))) + encoded)
+                for piece in _slices(chunks, WRITE_SLICE):
+                    stdin.writelines(piece)
+                    await stdin.drain()
+                    await asyncio.sleep(0)  # the rest of the loop runs between slices
+            except (ConnectionError, RuntimeError):  # the child went away
+                raise _ChildEnded() from None
+
+    def _written(self, answer: asyncio.Future[Any], write: asyncio.Task[None]) -> None:
+        """A frame cut short (the child gone, a stop, a failure) puts every later one out
+        of step: nothing more goes to this child, and its request is told so."""
+        self._writes.discard(write)
+        if write.cancelled() or write.exception() is not None:
+            if not write.cancelled() and not isinstance(write.exception(), _ChildEnded):
+                log.error("writing a body to the body reader failed: %s", type(write.exception()).__name__)
+            self._fail()
+            if not answer.done():
+                answer.set_exception(_ChildEnded())
 
     async def _read_answers(self, stdout: asyncio.StreamReader) -> None:
         try:
@@ -200,6 +238,8 @@ class _Child:
     async def stop(self) -> None:
         """Close its stdin and kill it (it holds nothing worth waiting for)."""
         self.dead = True
+        for write in list(self._writes):
+            write.cancel()
         self.requests.close()
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
@@ -208,6 +248,22 @@ class _Child:
         with contextlib.suppress(asyncio.CancelledError):
             await self._answers
         self._fail()
+
+
+def _slices(chunks: Sequence[bytes], limit: int) -> Iterator[list[bytes]]:
+    """``chunks`` in order, in groups of at most ``limit`` bytes (a longer chunk cut)."""
+    group: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        for start in range(0, len(chunk), limit) if len(chunk) > limit else (0,):
+            piece = chunk if len(chunk) <= limit else chunk[start:start + limit]
+            if size + len(piece) > limit and group:
+                yield group
+                group, size = [], 0
+            group.append(piece)
+            size += len(piece)
+    if group:
+        yield group
 
 
 class _ChildEnded(Exception):

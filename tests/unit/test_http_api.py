@@ -316,6 +316,39 @@ def test_a_body_read_in_the_child_process_gets_the_answer_it_gets_inline():
     assert [status for status, _ in inline] == [200, 200, 400, 400, 400, 400, 400, 400, 400, 400]
 
 
+def test_bodies_queued_for_the_child_when_the_service_stops_get_a_503_not_a_wait():
+    """Their frames go one at a time; a stop cuts the one being written and those behind it
+    never started: each is answered, and no new child starts after the stop."""
+    from stream.http import body_reader
+    from stream.http.bodies import match_query
+
+    big = orjson.dumps({"endpoints": ["ns/a"], "body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * (8 << 20)}}]}]}})
+
+    async def run() -> tuple[list, bool]:
+        reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0)
+        await reader.read(match_query, [BODIES[1]])  # the child started
+        child = reader._child
+        asks = [asyncio.create_task(reader.read(match_query, [big])) for _ in range(3)]
+        await until_true(lambda: child._writing.locked() and len(child._writes) == 3)
+        await reader.close()
+        done, waiting = await asyncio.wait(asks, timeout=10)
+        for ask in waiting:
+            ask.cancel()
+        return [(ask.exception().status, ask.exception().code) for ask in done], reader._child is None
+
+    answers, no_child = asyncio.run(run())
+    assert answers == [(503, "body_reader_unavailable")] * 3
+    assert no_child
+
+
+async def until_true(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
+        await asyncio.sleep(0.001)
+
+
 def test_a_body_whose_child_died_is_read_by_a_new_one_and_a_503_only_if_that_dies_too(monkeypatch):
     from stream.http import body_reader
     from stream.http.bodies import match_query
