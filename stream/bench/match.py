@@ -199,7 +199,8 @@ def _same_answers(url: str, expected_url: str, bodies: list[bytes]) -> None:
         got, want = (urllib.request.urlopen(urllib.request.Request(u, data=body)).read()
                      for u in (url, expected_url))
         if orjson.loads(got) != orjson.loads(want):
-            raise RuntimeError(f"the control at {url} answers {body[:80]!r} otherwise than the service")
+            raise RuntimeError(f"the control at {url} answers {body[:80]!r} otherwise than the "
+                               f"service: {got[:300]!r} against {want[:300]!r}")
 
 
 def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 10) -> list[Figure]:
