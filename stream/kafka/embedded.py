@@ -38,6 +38,8 @@ __all__ = ["EMBEDDED_CLUSTER_PREFIX", "STANDALONE_CLUSTER_PREFIX", "EmbeddedBrok
 EMBEDDED_CLUSTER_PREFIX = "mmcache-embedded-tansu"
 STANDALONE_CLUSTER_PREFIX = "mmcache-broker-tansu"
 _PR_SET_PDEATHSIG = 1
+#: Ports tried for a broker whose port was picked for it, before its start fails.
+PORT_ATTEMPTS = 5
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +56,20 @@ def new_cluster_id(prefix: str = EMBEDDED_CLUSTER_PREFIX) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def _refuse_taken_port(host: str, port: int) -> None:
-    """Fail when something listens on the port already: the readiness poll below would
-    otherwise take that listener for the broker."""
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something holds the port already (bound as the broker binds it): the
+    readiness poll below would otherwise take that listener for the broker."""
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker binds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"port {port} on {host} is in use ({exc.strerror}): "
-                               "choose another --port") from None
+        except OSError:
+            return True
+        return False
+
+
+class _PortTaken(Exception):
+    """The broker's port is held by something else."""
 
 
 def broker_binary() -> str:
@@ -109,6 +115,10 @@ class EmbeddedBroker:
                  cluster_id: str | None = None, prefix: str = EMBEDDED_CLUSTER_PREFIX):
         self.host = host
         self.port = port or free_port(host)
+        # A port picked here may be taken before the broker binds it (a free port is free
+        # only when asked: another process's bind or outgoing connection can take it), and
+        # Tansu then exits: another is picked, until the broker has listened once.
+        self._picked_port = not port
         self.log_file = log_file
         self.prefix = prefix
         self.fixed_cluster_id = cluster_id
@@ -128,8 +138,20 @@ class EmbeddedBroker:
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         """Start the broker (with the given cluster id, else a new one) and wait until it
         accepts connections."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start(timeout)
+            except _PortTaken as taken:
+                if not self._picked_port or attempt == PORT_ATTEMPTS:
+                    raise RuntimeError(str(taken)) from None
+                log.info("%s; the broker tries another port", taken)
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedBroker:
         url = f"tcp://{self.host}:{self.port}"
-        _refuse_taken_port(self.host, self.port)
+        if _port_taken(self.host, self.port):
+            raise _PortTaken(f"port {self.port} on {self.host} is in use: choose another --port")
         self.cluster_id = self.fixed_cluster_id or new_cluster_id(self.prefix)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
@@ -155,9 +177,13 @@ class EmbeddedBroker:
             if self._process.poll() is not None:
                 code = self._process.returncode
                 self._process = None
+                if _port_taken(self.host, self.port):  # taken since it was looked at
+                    raise _PortTaken(f"port {self.port} on {self.host} was taken as the broker "
+                                     f"started (it exited with {code})")
                 raise RuntimeError(f"embedded broker exited with {code}")
             with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.2):
                 log.info("embedded Kafka-protocol broker (Tansu) on %s", self.bootstrap_servers)
+                self._picked_port = False  # its clients know this port now: a restart keeps it
                 return self
             time.sleep(0.02)
         self.stop()
