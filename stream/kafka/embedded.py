@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,10 +46,24 @@ log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free right now on ``host``."""
+    """A TCP port free right now on ``host``, below the kernel's ephemeral range where one
+    is found: a port of that range (what ``bind`` to port 0 gives) can be taken as the local
+    port of any outgoing connection before its user binds it."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 16384), low), min(64, max(0, low - 1024))):
+        if not _port_taken(host, port):
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def new_cluster_id(prefix: str = EMBEDDED_CLUSTER_PREFIX) -> str:

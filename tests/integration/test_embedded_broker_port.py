@@ -77,3 +77,13 @@ def test_a_restart_keeps_the_port_its_clients_know(tmp_path):
     with listener(first), pytest.raises(RuntimeError, match=f"port {first} on 127.0.0.1 is in use"):
         broker.start()
     assert broker.port == first
+
+
+def test_a_picked_port_is_below_the_ephemeral_range_and_free():
+    """Ports of the ephemeral range are what outgoing connections take their local port
+    from; a port below it is taken only by a bind."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {embedded.free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), sorted(ports)
+    for port in ports:
+        listener(port).close()  # each one free to bind
