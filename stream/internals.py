@@ -136,9 +136,6 @@ INTERNALS: tuple[Internal, ...] = (
               "the request that asks for membership"),
     # -- aiokafka: the fetcher (stream.kafka.fetcher, stream.kafka.tansu) --
     _aiokafka(FETCHER, "__init__", "stream.kafka.fetcher", "wrapped: caps a keyword setting"),
-    _aiokafka(FETCHER, "_proc_fetch_request", "stream.kafka.fetcher",
-              "wrapped: whether a fetch brought records (the idle wait)"),
-    _aiokafka(FETCHER, "_fetch_max_wait_ms", "stream.kafka.fetcher", "the fetch wait, lengthened while idle"),
     _aiokafka(FETCHER, "end_offsets", "stream.kafka.tansu", "replaced on Tansu: end offsets from a fetch"),
     _aiokafka(FETCHER, "_client", "stream.kafka.tansu", "the fetcher's client, in the replacement"),
     _aiokafka(FETCHER, "_isolation_level", "stream.kafka.tansu", "the fetch's isolation level"),

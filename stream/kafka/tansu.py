@@ -6,9 +6,7 @@ Measured deviations from Kafka and what is done here about them:
    batch holds several records, which breaks Faust's recovery. The end offsets are
    taken from a Fetch response's high watermark instead.
 2. An idle fetch is not woken when data arrives; it returns after about half its
-   max wait. Consumers' fetch wait is capped so that events reach the state fast, and
-   lengthened while nothing comes, so that an idle service does not poll a core away
-   (``stream.kafka.fetcher.wait_longer_when_idle``).
+   max wait. Consumers' fetch wait is capped so that events reach the state fast.
 
 Group timing is not a deviation to patch but a setting: see ``stream.worker.app``.
 Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
@@ -30,7 +28,7 @@ from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
 from stream.config import KafkaSecurity
-from stream.kafka.fetcher import cap_fetcher_setting, wait_longer_when_idle
+from stream.kafka.fetcher import cap_fetcher_setting
 
 __all__ = ["FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id"]
 
@@ -106,7 +104,6 @@ def apply_remedies() -> None:
     if _applied:
         return
     cap_fetcher_setting("fetch_max_wait_ms", 500, FETCH_WAIT_MS)
-    wait_longer_when_idle()
     Fetcher.end_offsets = _end_offsets_from_fetch  # type: ignore[method-assign]
     _applied = True
     log.info("embedded Tansu broker detected: end offsets from fetch, fetch wait %d ms", FETCH_WAIT_MS)
