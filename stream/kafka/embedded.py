@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["EMBEDDED_CLUSTER_PREFIX", "STANDALONE_CLUSTER_PREFIX", "EmbeddedBroker", "broker_binary",
-           "free_port", "new_cluster_id"]
+           "free_port", "new_cluster_id", "thread_states"]
 
 EMBEDDED_CLUSTER_PREFIX = "mmcache-embedded-tansu"
 STANDALONE_CLUSTER_PREFIX = "mmcache-broker-tansu"
@@ -43,6 +43,17 @@ _PR_SET_PDEATHSIG = 1
 PORT_ATTEMPTS = 5
 
 log = logging.getLogger(__name__)
+
+
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter (``R``, ``S``, ``T``...) of each thread of ``pid``, read
+    from Linux's ``/proc``."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            stat = (task / "stat").read_text()
+            states.append(stat[stat.rindex(")") + 2])
+    return states
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -216,10 +227,18 @@ class EmbeddedBroker:
             self._process.wait()
         self._process = None
 
-    def freeze(self) -> None:
-        """SIGSTOP the broker: an outage that keeps its memory (``thaw`` resumes it)."""
+    def freeze(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the broker: an outage that keeps its memory (``thaw`` resumes it).
+        Returns once every thread of it has stopped: the kernel wakes one thread to take
+        the signal, and the others go on (answering requests) until that one runs."""
         assert self._process is not None
         self._process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not all(state in "tT" for state in thread_states(self._process.pid)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the broker (pid {self._process.pid}) did not stop "
+                                   f"within {timeout} s of SIGSTOP")
+            time.sleep(0.001)  # polls the threads' states; the kernel gives no wait for it
 
     def thaw(self) -> None:
         """SIGCONT a frozen broker."""
