@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from stream.core.events import ItemsPlaced
 from stream.core.items import Item
@@ -222,6 +223,23 @@ def _applied_regressions(bootstrap: str, changelog: str) -> list[tuple[int, str]
     return asyncio.run(scan())
 
 
+def _group(service: Service) -> str:
+    """The consumer group's state and members as the broker describes them (for a
+    failure's message: a join that never ended was seen twice, its cause not found)."""
+    async def describe() -> object:
+        admin = AIOKafkaAdminClient(bootstrap_servers=service.bootstrap)
+        await admin.start()
+        try:
+            return await admin.describe_consumer_groups([service.app_id])
+        finally:
+            await admin.close()
+
+    try:
+        return repr(asyncio.run(asyncio.wait_for(describe(), 30)))
+    except Exception as exc:  # noqa: BLE001 - the message says what went wrong instead
+        return f"not described: {exc!r}"
+
+
 def supervise(service: Service, restarts: list[str]) -> bool:
     """The supervisor of a worker: one that stopped is started again on its data dir
     (returns True then). It may stop only because the fence stopped it, at most 3 times."""
@@ -305,7 +323,8 @@ def test_a_resumed_zombie_owner_leaves_the_shared_state_equal_to_the_replay(make
     try:
         eventually(caught_up, timeout=180, interval=0.2)
     except AssertionError:
-        raise AssertionError(f"{found()}; /readyz {first.get('/readyz')} {second.get('/readyz')}") from None
+        raise AssertionError(f"{found()}; /readyz {first.get('/readyz')} {second.get('/readyz')}; "
+                             f"the group as the broker has it: {_group(first)}") from None
     for service in (first, second):
         status, body = eventually(lambda s=service: (lambda r: r if r[1]["lag_events"] == 0 else None)(
             s.get("/readyz")), timeout=30)
