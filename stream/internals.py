@@ -137,6 +137,10 @@ INTERNALS: tuple[Internal, ...] = (
     # -- aiokafka: the fetcher (stream.kafka.fetcher, stream.kafka.tansu) --
     _aiokafka(FETCHER, "__init__", "stream.kafka.fetcher", "wrapped: caps a keyword setting"),
     _aiokafka(FETCHER, "end_offsets", "stream.kafka.tansu", "replaced on Tansu: end offsets from a fetch"),
+    _aiokafka(GROUP_COORDINATOR, "_maybe_leave_group", "stream.kafka.tansu",
+              "replaced on Tansu: a stopping member expires instead of leaving"),
+    _aiokafka(GROUP_COORDINATOR, "reset_generation", "stream.kafka.tansu",
+              "what the replacement keeps of the original"),
     _aiokafka(FETCHER, "_client", "stream.kafka.tansu", "the fetcher's client, in the replacement"),
     _aiokafka(FETCHER, "_isolation_level", "stream.kafka.tansu", "the fetch's isolation level"),
     _aiokafka(FETCHER, "_retry_backoff", "stream.kafka.tansu", "the wait between attempts"),
