@@ -36,9 +36,10 @@ class Member:
 
     def __init__(self, bootstrap: str, group: str, output: Path) -> None:
         self.output = output
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.group_member", bootstrap, group, f"{group}-t"],
-            stdout=output.open("w"), stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+        with output.open("w") as sink:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.group_member", bootstrap, group, f"{group}-t"],
+                stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
 
     def lines(self) -> list[str]:
         return self.output.read_text().splitlines()
@@ -51,9 +52,21 @@ class Member:
         return {int(p) for p in last[0].split(" ", 1)[1].split(",") if p}
 
     def stop(self) -> None:
+        """A clean stop (SIGTERM), as a fenced worker's; killed if it does not end."""
         self.process.send_signal(signal.SIGCONT)  # a frozen member cannot act on SIGTERM
         self.process.terminate()
-        assert self.process.wait(30) == 0, self.output.read_text()[-2000:]
+        try:
+            code = self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"a member did not stop on SIGTERM: {self.output.read_text()[-2000:]}") from None
+        assert code == 0, self.output.read_text()[-2000:]
+
+    def kill(self) -> None:
+        """End it whatever it is doing (after a failure)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def _topic(bootstrap: str, name: str) -> None:
@@ -100,8 +113,7 @@ def _one_try(bootstrap: str, tmp_path: Path, attempt: int) -> None:
               f"{time.monotonic() - started:.1f} s after they started")
     finally:
         for member in (zombie, successor, *after):
-            if member.process.poll() is None:
-                member.stop()
+            member.kill()  # those stopped already are left alone; the others are killed
 
 
 def test_new_members_get_every_partition_after_a_resumed_zombie_and_its_successor_stopped(tmp_path):
