@@ -26,6 +26,25 @@ def _entries(service: Service) -> int:
     return sum(row["items"] for row in state["endpoints"])
 
 
+def _digest_when_holding(service: Service, expected: dict[str, int]) -> str | None:
+    """The digest once the view holds exactly ``expected`` items an endpoint (a total can
+    also be reached half-way, e.g. a delete not yet applied while placements are), else None."""
+    state = service.get("/v1/state?limit=100000")[1]
+    held = {row["endpoint"]: row["items"] for row in state["endpoints"] if row["items"]}
+    return state["digest"] if held == expected and state["digest_settled"] else None
+
+
+def _cut_after_acknowledged() -> str:
+    """An ``--until`` time at or after every write acknowledged so far, returned once the
+    clock is past it, so that writes sent from now on fall after it: records carry the
+    producer's timestamp, and the cut counts whole milliseconds."""
+    cut_ms = time.time_ns() // 1_000_000
+    while time.time_ns() // 1_000_000 <= cut_ms:
+        pass  # at most a millisecond
+    # the middle of the millisecond: float rounding cannot move it to the one before
+    return datetime.fromtimestamp(cut_ms / 1000 + 0.0005, UTC).isoformat()
+
+
 def _place(service: Service, endpoint: str, hashes: list[str]) -> int:
     items = [{"hash": h, "size": 1, "modality": "image"} for h in hashes]
     return service.post("/v1/placements", {"endpoints": [endpoint], "items": items})[0]
@@ -105,14 +124,14 @@ def test_rebuild_equals_live_and_until_rebuilds_the_past(make_service, tmp_path)
         for i, pod in enumerate(pods):
             _place(service, pod, [f"m{(i + round_) % 5}", f"m{round_}-{i}"])
     service.post("/v1/endpoint-events", {"type": "deleted", "endpoint": pods[0]})
-    eventually(lambda: _entries(service) == 8 * 6)  # 3 rounds x 2 distinct items, pods 1-8
-    time.sleep(0.05)
-    past, past_digest = datetime.now(UTC).isoformat(), service.digest()
-    time.sleep(0.05)
+    # 3 rounds x 2 distinct items on pods 1-8, none on the deleted pod 0
+    past_digest = eventually(lambda: _digest_when_holding(service, dict.fromkeys(pods[1:], 6)))
+    past = _cut_after_acknowledged()
     service.post("/v1/endpoint-events", {"type": "sync", "live": pods[:5]})
     _place(service, pods[1], ["late"])
-    eventually(lambda: _entries(service) == 4 * 6 + 1)  # pods 1-4 live, one late item
-    live = service.digest()
+    # pods 1-4 live, one late item on pod 1
+    live = eventually(lambda: _digest_when_holding(service, dict.fromkeys(pods[1:5], 6)
+                                                   | {pods[1]: 7}))
 
     assert _rebuild(service, tmp_path / "now") == live
     assert _rebuild(service, tmp_path / "past", "--until", past) == past_digest
@@ -124,9 +143,7 @@ def test_rebuilt_dir_seeds_a_new_deployment_that_resumes_from_its_offsets(make_s
     for i in range(20):
         _place(old, f"ns/seed-{i % 6}", [f"s{i}"])
     eventually(lambda: _entries(old) == 20)
-    time.sleep(0.05)
-    cut = datetime.now(UTC).isoformat()
-    time.sleep(0.05)
+    cut = _cut_after_acknowledged()
     for i in range(20, 30):
         _place(old, f"ns/seed-{i % 6}", [f"s{i}"])
     eventually(lambda: _entries(old) == 30)
