@@ -185,7 +185,8 @@ def test_closing_the_server_lets_a_request_in_flight_finish():
             while not server.tasks:
                 await asyncio.sleep(0.01)
             closing = asyncio.create_task(server.close())
-            await asyncio.sleep(0.05)
+            while not server.stopping:  # closing, and waiting for the request in flight
+                await asyncio.sleep(0)
             release.set()
             response = await pending
             await closing
