@@ -124,6 +124,8 @@ INTERNALS: tuple[Internal, ...] = (
     _faust(STORE, "_dbs", "stream.worker.table_mirror, stream.worker.app", "each partition's open RocksDB"),
     _faust(STORE, "_db_for_partition", "stream.worker.table_mirror", "opens a partition's RocksDB"),
     _faust(STORE, "apply_changelog_batch", "stream.worker.table_mirror", "wrapped per store: restore gate"),
+    _faust(STORE, "on_rebalance", "stream.worker.table_mirror",
+           "wrapped per store: newly assigned files caught up with the changelog in bulk"),
     # -- the producer --
     _faust(PRODUCER, "_ensure_producer", "stream.worker.table_mirror", "aiokafka's producer, whole batches"),
     # -- aiokafka: the group coordinator (stream.kafka.coordinator) --

@@ -189,6 +189,11 @@ class ChangelogGate:
         self.dropped = 0
         self._removals: list[Any] = []
 
+    @property
+    def holding(self) -> list[Any]:
+        """The removals waiting for their event's applied record (an event part-read)."""
+        return list(self._removals)
+
     def copy(self) -> ChangelogGate:
         """A gate in this one's state, to go back to when what it admitted could not be
         written (the same records are then given again)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import faust
 import mode
+from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
@@ -228,7 +229,10 @@ def build_worker(
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
     mirror = TableMirror(app, table, state_writes)
-    forget_restore_gates = gate_changelog_restore(table, state_writes)
+    forget_restore_gates = gate_changelog_restore(
+        table, state_writes,
+        lambda: AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False,
+                                 auto_offset_reset="earliest", **client))
 
     async def prepare_dead_letters() -> int:
         # normally created at start (ensure_topics); made sure of here before the first letter

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import faust
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from rocksdict import WriteBatch
 
@@ -57,6 +58,13 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0
 #: file refusing every other until it is reopened, and the reopen replays the file's log
 #: holding the GIL (~1 s for 8 MB, every request waiting).
 RESERVE_BYTES = 1 << 20
+
+#: Changelog records a partition's catch-up writes at a time, the loop turning in
+#: between (~2 µs a record: a few ms).
+CATCH_UP_RECORDS = 2000
+#: How long a catch-up reads before it leaves the rest to Faust's restore (a broker that
+#: does not answer: Faust's restore then waits for it as before).
+CATCH_UP_TIMEOUT_S = 120.0
 
 
 def check_room(path: Path, need: int) -> None:
@@ -396,12 +404,19 @@ class _PartitionRecords:
         return [b for b in self.builders if b.record_count()]
 
 
-def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Callable[[], None]:
+def gate_changelog_restore(table: Any, health: StateWrites | None = None,
+                           open_consumer: Callable[[], AIOKafkaConsumer] | None = None,
+                           ) -> Callable[[], None]:
     """Make Faust's restore of the table from its changelog skip events written again
     after later ones (``ChangelogGate``), as the follower does, so that a worker that
     recovers a partition after a zombie owner's resent batch does not load its stale
     entries. Each partition's gate starts from the applied offset its file holds; the
     returned function forgets the gates, for the next recovery.
+
+    With ``open_consumer``, a partition newly assigned is first caught up with its
+    changelog in bulk, through the same gates (``catch_up``): Faust's restore takes a
+    record at a time (a task and a queue each: ~200 µs a record, 100k entries in 17 s),
+    and then finds only what came after.
 
     A restore that a file refuses (``is_storage_error``) raises as before, and Faust keeps
     the batch and gives it again (with the next changelog record, or after 5 s idle): the
@@ -467,4 +482,98 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None) -> Cal
             health.stored(partition)
 
     store.apply_changelog_batch = apply_changelog_batch
+    if open_consumer is None:
+        return gates.clear
+    assign = store.on_rebalance
+    rebalances = 0
+
+    async def on_rebalance(assigned: Any, revoked: Any, newly_assigned: Any,
+                           generation_id: int = 0) -> None:
+        # Faust's assignment opens the files; its recovery, called next, reads each
+        # file's offset (Recovery.add_active) and restores what lies after it
+        nonlocal rebalances
+        rebalances += 1
+        this = rebalances
+        await assign(assigned, revoked, newly_assigned, generation_id)
+        changelog = table.changelog_topic.get_topic_name()
+        partitions = sorted(tp.partition for tp in newly_assigned if tp.topic == changelog
+                            and tp.partition in store._dbs)
+        if partitions:
+            await catch_up(partitions, lambda: this != rebalances)
+
+    async def catch_up(partitions: list[int], superseded: Callable[[], bool]) -> None:
+        """Read these partitions' changelog from where their files hold it up to, to its
+        end, into the files, a slice at a time; stop early when another rebalance came."""
+        started = time.monotonic()
+        consumer = open_consumer()
+        await consumer.start()
+        try:
+            topic = table.changelog_topic.get_topic_name()
+            tps = {TopicPartition(topic, p): p for p in partitions}
+            consumer.assign(list(tps))
+            for tp, partition in tps.items():
+                held = store._db_for_partition(partition).get(FAUST_OFFSET_KEY)
+                if held is None:
+                    await consumer.seek_to_beginning(tp)
+                else:
+                    consumer.seek(tp, int(held) + 1)
+            pending, written = set(tps), dict.fromkeys(partitions, 0)
+            while pending and not superseded():
+                if time.monotonic() - started > CATCH_UP_TIMEOUT_S:
+                    log.warning("changelog partitions %s not caught up within %.0f s: Faust's "
+                                "restore reads the rest", sorted(tps[tp] for tp in pending),
+                                CATCH_UP_TIMEOUT_S)
+                    break
+                fetched = await consumer.getmany(*pending, timeout_ms=200,
+                                                 max_records=CATCH_UP_RECORDS)
+                if superseded():  # the files may be closed: the next recovery catches up
+                    break
+                for tp, records in fetched.items():
+                    if records:
+                        if store_caught_up(tps[tp], records):
+                            written[tps[tp]] += len(records)
+                        else:  # a file that refuses it: Faust's restore retries it
+                            pending.discard(tp)
+                for tp in list(pending):
+                    highwater = consumer.highwater(tp)
+                    if highwater is not None and await consumer.position(tp) >= highwater:
+                        pending.discard(tp)
+                await asyncio.sleep(0)
+        finally:
+            await consumer.stop()
+            for partition in partitions:  # Faust's restore gives a gate events, not records:
+                if partition in gates and gates[partition].holding:  # one made from the file
+                    del gates[partition]
+        if any(written.values()):
+            log.info("caught up %d changelog records of partitions %s in %.2f s",
+                     sum(written.values()), partitions, time.monotonic() - started)
+
+    def store_caught_up(partition: int, records: list[Any]) -> bool:
+        """Write one slice of a partition's changelog through its gate, with the offset
+        its file then holds the changelog up to; whether the file took it."""
+        if partition in closed_partitions(store):
+            schedule_reopen(store, partition)
+            return False
+        gate = gate_of(partition)
+        before = gate.copy()
+        rows = [(r.key, r.value) for r in gate.admit((r.key, r.value, r) for r in records)]
+        # an event part-read holds its removals back until its applied record: the file
+        # then holds the changelog only up to the record before them
+        held = gate.holding
+        rows.append((FAUST_OFFSET_KEY,
+                     encode_faust_offset(held[0].offset - 1 if held else records[-1].offset)))
+        try:
+            check_room(Path(store.partition_path(partition)), _rows_size(rows))
+            store._db_for_partition(partition).write(_batch(rows))
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            gates[partition] = before
+            health.failed(partition, exc)
+            schedule_reopen(store, partition)
+            return False
+        health.stored(partition)
+        return True
+
+    store.on_rebalance = on_rebalance
     return gates.clear

@@ -134,7 +134,10 @@ def test_a_full_disk_keeps_the_worker_answering_and_it_resumes_when_space_return
         tmp_path: Path) -> None:
     data_dir, resize = small_disk
     service = make_service(data_dir=data_dir)
-    acknowledged: list[int] = []
+    assert _place(service, 0) == 202
+    acknowledged: list[int] = [0]
+    # a first commit before the disk fills (on a busy machine it filled before any)
+    eventually(lambda: _committed(service), timeout=60)
     deadline = time.monotonic() + 120
     while not _writes_failing(service):  # place until the files refuse writes
         assert time.monotonic() < deadline, f"the disk never filled: {service.get('/readyz')}"
