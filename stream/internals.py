@@ -34,6 +34,7 @@ CONSUMER_THREAD = "faust.transport.drivers.aiokafka.AIOKafkaConsumerThread"  # a
 PRODUCER = "faust.transport.drivers.aiokafka.Producer"            # app.producer
 APP = "faust.app.base.App"                                        # app
 STORE = "faust.stores.rocksdb.Store"                              # table.data
+RECOVERY = "faust.tables.recovery.Recovery"                       # app.tables.recovery
 TABLE_MANAGER = "faust.tables.manager.TableManager"               # app.tables (subclassed)
 AIOKAFKA_CONSUMER = "aiokafka.consumer.consumer.AIOKafkaConsumer"
 GROUP_COORDINATOR = "aiokafka.consumer.group_coordinator.GroupCoordinator"
@@ -119,13 +120,16 @@ INTERNALS: tuple[Internal, ...] = (
     # -- the table manager, subclassed without its 1 s start sleep --
     _faust(TABLE_MANAGER, "on_start", _BATCHES, "overridden (PromptTableManager), the rest kept as pinned"),
     _faust(TABLE_MANAGER, "_update_channels", _BATCHES, "the start of the table manager, as Faust's"),
-    _faust(TABLE_MANAGER, "recovery", _BATCHES, "started as Faust's on_start does"),
+    _faust(TABLE_MANAGER, "recovery", f"{_BATCHES}, stream.worker.table_mirror",
+           "started as Faust's on_start does; its offsets wrapped (table_mirror)"),
     # -- the RocksDB store of the table (table.data) --
     _faust(STORE, "_dbs", "stream.worker.table_mirror, stream.worker.app", "each partition's open RocksDB"),
     _faust(STORE, "_db_for_partition", "stream.worker.table_mirror", "opens a partition's RocksDB"),
     _faust(STORE, "apply_changelog_batch", "stream.worker.table_mirror", "wrapped per store: restore gate"),
-    _faust(STORE, "on_rebalance", "stream.worker.table_mirror",
-           "wrapped per store: newly assigned files caught up with the changelog in bulk"),
+    _faust(RECOVERY, "_build_offsets", "stream.worker.table_mirror",
+           "wrapped per app: the files behind their changelog caught up in bulk first"),
+    _faust(RECOVERY, "active_highwaters", "stream.worker.table_mirror",
+           "each active changelog partition's last offset, built just before"),
     # -- the producer --
     _faust(PRODUCER, "_ensure_producer", "stream.worker.table_mirror", "aiokafka's producer, whole batches"),
     # -- aiokafka: the group coordinator (stream.kafka.coordinator) --

@@ -62,9 +62,6 @@ RESERVE_BYTES = 1 << 20
 #: Changelog records a partition's catch-up writes at a time, the loop turning in
 #: between (~2 µs a record: a few ms).
 CATCH_UP_RECORDS = 2000
-#: How long a catch-up reads before it leaves the rest to Faust's restore (a broker that
-#: does not answer: Faust's restore then waits for it as before).
-CATCH_UP_TIMEOUT_S = 120.0
 
 
 def check_room(path: Path, need: int) -> None:
@@ -413,10 +410,10 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
     entries. Each partition's gate starts from the applied offset its file holds; the
     returned function forgets the gates, for the next recovery.
 
-    With ``open_consumer``, a partition newly assigned is first caught up with its
-    changelog in bulk, through the same gates (``catch_up``): Faust's restore takes a
-    record at a time (a task and a queue each: ~200 µs a record, 100k entries in 17 s),
-    and then finds only what came after.
+    With ``open_consumer``, each recovery first catches the files that are behind their
+    changelog up in bulk (``catch_up``), through gates of the same kind: Faust's restore
+    takes a record at a time (a task and a queue each: ~200 µs a record, 100k entries in
+    17 s), and then finds only what came after.
 
     A restore that a file refuses (``is_storage_error``) raises as before, and Faust keeps
     the batch and gives it again (with the next changelog record, or after 5 s idle): the
@@ -462,13 +459,16 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
         try:
             restore(list(admitted(events)), to_key, to_value)
             # past the skipped records too: the file's offset is where it holds the
-            # changelog up to (TableMirror.flush tells another writer's records by it)
-            highest: dict[Any, int] = {}
+            # changelog up to (TableMirror.flush tells another writer's records by it),
+            # but not past removals its gate holds back (an event read in part)
+            highest: dict[Any, tuple[int, int]] = {}
             for event in events:
-                tp, offset = event.message.tp, event.message.offset
-                highest[tp] = max(offset, highest.get(tp, offset))
-            for tp, offset in highest.items():
-                store.set_persisted_offset(tp, offset)
+                message = event.message
+                offset = max(message.offset, highest.get(message.tp, (0, -1))[1])
+                highest[message.tp] = (message.partition, offset)
+            for tp, (partition, offset) in highest.items():
+                held = gate_of(partition).holding
+                store.set_persisted_offset(tp, held[0].message.offset - 1 if held else offset)
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
@@ -484,96 +484,103 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
     store.apply_changelog_batch = apply_changelog_batch
     if open_consumer is None:
         return gates.clear
-    assign = store.on_rebalance
-    rebalances = 0
+    recovery = table.app.tables.recovery
+    build_offsets = recovery._build_offsets
 
-    async def on_rebalance(assigned: Any, revoked: Any, newly_assigned: Any,
-                           generation_id: int = 0) -> None:
-        # Faust's assignment opens the files; its recovery, called next, reads each
-        # file's offset (Recovery.add_active) and restores what lies after it
-        nonlocal rebalances
-        rebalances += 1
-        this = rebalances
-        await assign(assigned, revoked, newly_assigned, generation_id)
-        changelog = table.changelog_topic.get_topic_name()
-        partitions = sorted(tp.partition for tp in newly_assigned if tp.topic == changelog
-                            and tp.partition in store._dbs)
-        if partitions:
-            await catch_up(partitions, lambda: this != rebalances)
+    async def caught_up_offsets(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        # Faust's recovery, between the highwaters and the offsets it reads from (run in
+        # its own task, outside the rebalance callback: the member's heartbeats go on; a
+        # rebalance meanwhile cancels it, and a catch-up cut short leaves Faust the rest)
+        if title == "active":
+            changelog, highwaters = table.changelog_topic.get_topic_name(), recovery.active_highwaters
+            behind = {}
+            for tp in tps:
+                if tp.topic == changelog and tp.partition in store._dbs:
+                    held = store._db_for_partition(tp.partition).get(FAUST_OFFSET_KEY)
+                    last = highwaters.get(tp)
+                    if last is not None and (held is None or int(held) < last):
+                        behind[tp] = (None if held is None else int(held), last)
+            if behind:
+                try:
+                    await catch_up(behind, destination)
+                except Exception:  # noqa: BLE001 - Faust's restore reads what is left
+                    log.warning("bulk catch-up of the changelog failed; Faust's restore reads "
+                                "the rest", exc_info=True)
+        await build_offsets(consumer, tps, destination, title)
 
-    async def catch_up(partitions: list[int], superseded: Callable[[], bool]) -> None:
-        """Read these partitions' changelog from where their files hold it up to, to its
-        end, into the files, a slice at a time; stop early when another rebalance came."""
+    async def catch_up(behind: dict[Any, tuple[int | None, int]], destination: Any) -> None:
+        """Read these changelog partitions from where their files hold them up to, to
+        their last offset, into the files a slice at a time, each with the offset its file
+        then holds (also Faust's ``destination``, where its restore resumes)."""
         started = time.monotonic()
+        own: dict[int, ChangelogGate] = {}  # not the restore's: theirs hold Faust's events
+        written = 0
         consumer = open_consumer()
-        await consumer.start()
         try:
-            topic = table.changelog_topic.get_topic_name()
-            tps = {TopicPartition(topic, p): p for p in partitions}
-            consumer.assign(list(tps))
-            for tp, partition in tps.items():
-                held = store._db_for_partition(partition).get(FAUST_OFFSET_KEY)
+            await consumer.start()
+            pending = {TopicPartition(tp.topic, tp.partition): (tp, last)
+                       for tp, (_, last) in behind.items()}
+            consumer.assign(list(pending))
+            for kafka_tp, (tp, _) in pending.items():
+                held = behind[tp][0]
                 if held is None:
-                    await consumer.seek_to_beginning(tp)
+                    await consumer.seek_to_beginning(kafka_tp)
                 else:
-                    consumer.seek(tp, int(held) + 1)
-            pending, written = set(tps), dict.fromkeys(partitions, 0)
-            while pending and not superseded():
-                if time.monotonic() - started > CATCH_UP_TIMEOUT_S:
-                    log.warning("changelog partitions %s not caught up within %.0f s: Faust's "
-                                "restore reads the rest", sorted(tps[tp] for tp in pending),
-                                CATCH_UP_TIMEOUT_S)
-                    break
+                    consumer.seek(kafka_tp, held + 1)
+            while pending:
                 fetched = await consumer.getmany(*pending, timeout_ms=200,
                                                  max_records=CATCH_UP_RECORDS)
-                if superseded():  # the files may be closed: the next recovery catches up
-                    break
-                for tp, records in fetched.items():
-                    if records:
-                        if store_caught_up(tps[tp], records):
-                            written[tps[tp]] += len(records)
-                        else:  # a file that refuses it: Faust's restore retries it
-                            pending.discard(tp)
-                for tp in list(pending):
-                    highwater = consumer.highwater(tp)
-                    if highwater is not None and await consumer.position(tp) >= highwater:
-                        pending.discard(tp)
+                for kafka_tp, records in fetched.items():
+                    tp, last = pending[kafka_tp]
+                    records = [r for r in records if r.offset <= last]
+                    if not records:
+                        continue
+                    reached = store_caught_up(tp.partition, records, own)
+                    if reached is None:  # a file that refuses it: Faust's restore retries it
+                        del pending[kafka_tp]
+                        continue
+                    destination[tp] = reached
+                    written += len(records)
+                for kafka_tp, (_, last) in list(pending.items()):
+                    if await consumer.position(kafka_tp) > last:
+                        del pending[kafka_tp]
                 await asyncio.sleep(0)
         finally:
+            for tp in behind:  # the restore's next gate is made from the file
+                gates.pop(tp.partition, None)
             await consumer.stop()
-            for partition in partitions:  # Faust's restore gives a gate events, not records:
-                if partition in gates and gates[partition].holding:  # one made from the file
-                    del gates[partition]
-        if any(written.values()):
-            log.info("caught up %d changelog records of partitions %s in %.2f s",
-                     sum(written.values()), partitions, time.monotonic() - started)
+        if written:
+            log.info("caught up %d changelog records of partitions %s in %.2f s", written,
+                     sorted(tp.partition for tp in behind), time.monotonic() - started)
 
-    def store_caught_up(partition: int, records: list[Any]) -> bool:
-        """Write one slice of a partition's changelog through its gate, with the offset
-        its file then holds the changelog up to; whether the file took it."""
-        if partition in closed_partitions(store):
-            schedule_reopen(store, partition)
-            return False
-        gate = gate_of(partition)
+    def store_caught_up(partition: int, records: list[Any],
+                        own: dict[int, ChangelogGate]) -> int | None:
+        """Write one slice of a partition's changelog through its gate, with the offset its
+        file then holds the changelog up to, and return it; ``None`` if the file refused."""
+        gate = own.get(partition)
+        db = store._db_for_partition(partition)
+        if gate is None:
+            raw = db.get(APPLIED_KEY)
+            gate = own[partition] = ChangelogGate(-1 if raw is None else decode_applied(raw))
         before = gate.copy()
         rows = [(r.key, r.value) for r in gate.admit((r.key, r.value, r) for r in records)]
         # an event part-read holds its removals back until its applied record: the file
-        # then holds the changelog only up to the record before them
+        # then holds the changelog only up to the record before them (read again by the
+        # next slice's gate, or by Faust's restore)
         held = gate.holding
-        rows.append((FAUST_OFFSET_KEY,
-                     encode_faust_offset(held[0].offset - 1 if held else records[-1].offset)))
+        reached = held[0].offset - 1 if held else records[-1].offset
+        rows.append((FAUST_OFFSET_KEY, encode_faust_offset(reached)))
         try:
             check_room(Path(store.partition_path(partition)), _rows_size(rows))
-            store._db_for_partition(partition).write(_batch(rows))
+            db.write(_batch(rows))
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
-            gates[partition] = before
-            health.failed(partition, exc)
-            schedule_reopen(store, partition)
-            return False
+            own[partition] = before
+            health.failed(partition, exc)  # the restore's own path reopens it, and retries
+            return None
         health.stored(partition)
-        return True
+        return reached
 
-    store.on_rebalance = on_rebalance
+    recovery._build_offsets = caught_up_offsets
     return gates.clear

@@ -83,3 +83,19 @@ def test_a_restore_caught_up_in_bulk_leaves_an_event_read_in_part_to_faust(make_
     for service in (owner, follower):
         eventually(lambda s=service: sorted(_matched(s.url, hashes)) == ["h-b", "h-c"], timeout=30)
     assert owner.digest() == follower.digest()
+
+
+def test_an_event_read_in_part_is_completed_after_a_restart_on_the_same_files(make_service,
+                                                                            bootstrap, tmp_path):
+    # the removal of h-b waits for its event's applied record, which is written only
+    # after the worker stopped: the files must not claim to hold the changelog past it
+    app_id = f"it-{uuid.uuid4().hex[:10]}"
+    _write_changelog(bootstrap, app_id, _event(0, "h-a", "h-b")
+                     + [(entry_key(ENDPOINT, "h-b"), None)])
+    hashes = ("h-a", "h-b")
+    owner = make_service(app_id=app_id, data_dir=tmp_path / "owner")
+    assert sorted(_matched(owner.url, hashes)) == ["h-a", "h-b"]
+    assert owner.stop() == 0
+    _write_changelog(bootstrap, app_id, [(APPLIED_KEY, encode_applied(1))])
+    owner.start()
+    assert _matched(owner.url, hashes) == ["h-a"]
