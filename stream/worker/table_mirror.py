@@ -498,7 +498,7 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
                 if tp.topic == changelog and tp.partition in store._dbs:
                     held = store._db_for_partition(tp.partition).get(FAUST_OFFSET_KEY)
                     last = highwaters.get(tp)
-                    if last is not None and (held is None or int(held) < last):
+                    if last is not None and last >= 0 and (held is None or int(held) < last):
                         behind[tp] = (None if held is None else int(held), last)
             if behind:
                 try:
