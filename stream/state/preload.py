@@ -20,6 +20,7 @@ import marshal
 import multiprocessing
 import os
 import threading
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,6 +47,7 @@ class LocalPreload:
         self.readers = readers or os.cpu_count() or 1
         self.state: CacheState | None = None
         self.marks: dict[int, bytes | None] = {}
+        self.merged = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> LocalPreload:
@@ -72,6 +74,22 @@ class LocalPreload:
         assert self._thread is not None, "start() first"
         await asyncio.to_thread(self._thread.join)
         return self
+
+    def merge_into(self, state: CacheState) -> None:
+        """Add the preloaded view to ``state``, once: before the group join when it is
+        already caught up with the log (``stream.worker.app``), else at the first recovery."""
+        if self.state is not None and not self.merged:
+            state.merge(self.state)
+            self.merged = True
+
+    def holds_changelog(self, ends: Mapping[int, int]) -> bool:
+        """Whether the files read hold every record of the changelog, whose end offsets
+        are ``ends`` (a partition without a file: an empty one)."""
+        for partition, end in ends.items():
+            mark = self.marks.get(partition)
+            if end != (-1 if mark is None else int(mark)) + 1:
+                return False
+        return True
 
     def unchanged(self, partition: int, db: Any) -> bool:
         """Whether the table's partition is still what was read."""

@@ -143,6 +143,13 @@ class ChangelogFollower(mode.Service):
         if self._consumer is not None:
             await self._consumer.stop()
 
+    async def ends(self, partitions: int) -> dict[int, int]:
+        """The changelog's end offset of each of ``partitions`` partitions."""
+        consumer = self._consumer
+        assert consumer is not None
+        read = await consumer.end_offsets([self._tp(p) for p in range(partitions)])
+        return {tp.partition: offset for tp, offset in read.items()}
+
     async def follow(self, owned: set[int], partitions: int) -> None:
         """Follow every partition this worker does not own (called after each recovery):
         a newly followed one is re-read aside, the others resume where they were."""

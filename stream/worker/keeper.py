@@ -142,7 +142,8 @@ class StateKeeper:
         """Make these partitions' part of the view their stores' durable entries (the
         other partitions' part is kept in step by the ``ChangelogFollower``).
 
-        A finished ``preload`` (of a worker's first start) is taken in first: its
+        A finished ``preload`` (of a worker's first start) is taken in first (unless it
+        was before the group join, ``LocalPreload.merge_into``): its
         partitions that are owned and unchanged since it read them are not read again;
         the others are replaced from their stores (owned) or by the follower's re-read.
         Each partition goes through ``load_partition_into_view``: the entries it held keep
@@ -154,7 +155,7 @@ class StateKeeper:
         try:
             reused: set[int] = set()
             if preload is not None and preload.state is not None:
-                self.state.merge(preload.state)
+                preload.merge_into(self.state)
                 reused = {p for p, db in partitions.items() if preload.unchanged(p, db)}
             for partition, db in partitions.items():
                 if partition not in reused:

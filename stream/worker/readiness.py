@@ -100,8 +100,9 @@ class LogEnds(Protocol):
 class Readiness:
     """The running worker's readiness: latched once the first recovery has loaded the view
     (``loaded``), the follower has read the other partitions (``follower_caught_up``) and
-    every partition has applied the log's end as first read after that; then ``decide``,
-    told of ``problem()`` (``stream.worker.table_mirror.StateWrites.problem``).
+    every partition has applied the log's end as first read after that, or earlier when
+    the local files held all of it (``loaded_whole``); then ``decide``, told of
+    ``problem()`` (``stream.worker.table_mirror.StateWrites.problem``).
     """
 
     def __init__(self, applied: Callable[[], Mapping[int, int]], log_ends: LogEnds,
@@ -122,6 +123,21 @@ class Readiness:
         """A recovery has loaded the view (only the first counts)."""
         if self._loaded_at is None:
             self._loaded_at = self.log_ends.samples
+
+    def loaded_whole(self, applied: Mapping[int, int], since: int) -> bool:
+        """The view was loaded from every partition's local file (a restart's preload,
+        before the group join) with these ``applied`` offsets: ready at once if they reach
+        the log's end as read after the load (a probe sample past ``since``), so a
+        restart on files that hold the whole log answers without waiting for the join
+        and the recovery; returns whether it is ready."""
+        ends = self.log_ends
+        if not self.ready_once and ends.samples > since and ends.ends \
+                and caught_up(ends.ends, applied):
+            self.ready_once = True
+            log.info("ready: the view is loaded from the local state files, which hold "
+                     "every event of the log; /v1/match answers from it (the group join "
+                     "goes on)")
+        return self.ready_once
 
     def lag(self) -> ViewLag:
         """The view's lag now."""

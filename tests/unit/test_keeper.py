@@ -253,6 +253,30 @@ def test_a_preloaded_partition_that_recovery_changed_is_read_again_and_one_not_o
     assert (tables[0].reads, tables[1].reads) == (0, 1)
 
 
+def test_a_preload_holds_the_changelog_only_up_to_each_files_offset_record(tmp_path):
+    placed = [ItemsPlaced(endpoint=f"ns/pod-{p}", items=[Item(f"h{p}", 1, "image")]) for p in range(2)]
+    scenario = Scenario(Capacity("items", 4), 2, [(Position(p, 0), e) for p, e in enumerate(placed)])
+    preload = asyncio.run(LocalPreload(written_datadir(tmp_path, scenario), scenario.capacity)
+                          .start().wait())
+    assert preload.holds_changelog({0: 42, 1: 42})  # each file's offset record is 41
+    assert preload.holds_changelog({0: 42, 1: 42, 2: 0})  # no file, an empty changelog
+    assert not preload.holds_changelog({0: 42, 1: 43})  # a record written after the file
+    assert not preload.holds_changelog({0: 42, 1: 42, 2: 1})  # a partition it has no file of
+
+
+def test_a_preload_taken_in_before_the_recovery_is_not_merged_again(tmp_path):
+    placed = [ItemsPlaced(endpoint=f"ns/pod-{p}", items=[Item(f"h{p}", 1, "image")]) for p in range(2)]
+    scenario = Scenario(Capacity("items", 4), 2, [(Position(p, 0), e) for p, e in enumerate(placed)])
+    datadir = written_datadir(tmp_path, scenario)
+    preload = asyncio.run(LocalPreload(datadir, scenario.capacity).start().wait())
+    keeper = keeper_for(scenario.capacity)
+    preload.merge_into(keeper.state)  # the early readiness of a restart
+    tables = tables_of(datadir)
+    reload(keeper, tables, preload)  # the first recovery, after the group join
+    assert keeper.state.digest() == fold(scenario).digest()
+    assert [t.reads for t in tables.values()] == [0, 0]
+
+
 def test_a_preload_that_failed_leaves_the_reading_to_the_keeper(tmp_path):
     scenario = Scenario(Capacity("items", 4), 1,
                         [(Position(0, 0), ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]))])

@@ -95,6 +95,29 @@ def test_ready_once_loaded_and_caught_up_then_through_any_lag_unless_bounded():
     assert readiness.report().status == "ready"
 
 
+def test_files_that_hold_the_whole_log_are_ready_before_any_recovery():
+    ends = Ends()
+    readiness = Readiness(dict, ends, lambda: False, clock=lambda: 0.0)
+    files = {0: 4, 1: 2}  # the preload's applied offsets
+    since = ends.samples
+    assert not readiness.loaded_whole(files, since)  # no end read after the files were
+    ends.read({0: 5, 1: 4})
+    assert not readiness.loaded_whole(files, since)  # partition 1 lacks an event
+    assert readiness.report().status == "not_ready"
+    ends.read({0: 5, 1: 3, 2: 0})  # partition 2 is empty: nothing to hold
+    assert readiness.loaded_whole(files, since)
+    assert readiness.report().status == "ready"  # latched, no recovery, no follower
+    ends.read({0: 9, 1: 3, 2: 1})
+    assert readiness.report().status == "ready"
+
+
+def test_files_behind_a_partition_the_files_lack_are_not_ready():
+    ends = Ends()
+    readiness = Readiness(dict, ends, lambda: True, clock=lambda: 0.0)
+    ends.read({0: 5, 1: 1})
+    assert not readiness.loaded_whole({0: 4}, 0)  # no file for partition 1, which has an event
+
+
 def test_the_gauges_are_collected_per_partition():
     ends = Ends()
     ends.read({0: 3, 1: 2})
