@@ -140,7 +140,7 @@ class HttpService(mode.Service):
 def faust_settings(settings: Settings, bootstrap_servers: str, embedded: bool) -> dict[str, Any]:
     """Faust configuration; group timings tuned to how fast the broker forms groups."""
     timings = (
-        # Tansu answers joins after about half the session timeout (BROKER.md, 4).
+        # Tansu answers joins after about half the session timeout (README, "The embedded broker").
         {"broker_session_timeout": 2.0, "broker_heartbeat_interval": 0.5,
          "broker_rebalance_timeout": 20.0, "broker_commit_interval": 0.5}
         if embedded

@@ -252,9 +252,10 @@ async def _produce_raw(bootstrap: str, topic: str, key: bytes, value: bytes) -> 
 
 async def _whole_topic(bootstrap: str, topic: str) -> list:
     """Every record of the topic, read up to its end offsets (the broker's, not a wait)."""
-    from stream.kafka.tansu import apply_remedies
+    from stream.kafka.tansu import apply_remedies, is_tansu
 
-    apply_remedies()  # Tansu's end offsets, from a fetch (BROKER.md, 1)
+    if await is_tansu(bootstrap):  # never against a real Kafka (MMCACHE_BOOTSTRAP_SERVERS)
+        apply_remedies()  # Tansu's end offsets, from a fetch
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
