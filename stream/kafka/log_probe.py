@@ -33,8 +33,9 @@ class EventLogProbe(mode.Service):
     timestamp (seconds since the epoch) of the first event it lacks.
 
     ``applied`` gives the view's applied offset per partition (owned or followed).
-    ``samples`` counts the end-offset readings that succeeded, so that a reader can
-    wait for one taken after a moment of its own.
+    Readings are numbered as they begin (``begun``); ``samples`` is the number of the one
+    whose figures are published, so that a reader can wait for ends read wholly after a
+    moment of its own: ``samples`` past the ``begun`` it noted then.
     """
 
     def __init__(self, bootstrap_servers: str, topic: str, partitions: int,
@@ -48,6 +49,7 @@ class EventLogProbe(mode.Service):
         self.interval_s = interval_s
         self.ends: dict[int, int] = {}
         self.first_missing: dict[int, tuple[int, float]] = {}  # partition -> (offset, timestamp)
+        self.begun = 0
         self.samples = 0
         self._consumer: AIOKafkaConsumer | None = None
         self._failing = False
@@ -89,6 +91,8 @@ class EventLogProbe(mode.Service):
         """Read the end offsets once, then the first missing event's time where needed."""
         consumer = self._consumer
         assert consumer is not None
+        self.begun += 1
+        number = self.begun
         read = await consumer.end_offsets(self.tps)
         ends = {tp.partition: offset for tp, offset in read.items()}
         applied = self.applied()
@@ -104,7 +108,7 @@ class EventLogProbe(mode.Service):
                     self.first_missing[partition] = found
         # published after the times, so that a lag is never shown without its staleness
         self.ends = ends
-        self.samples += 1
+        self.samples = number
 
     async def _timestamp_at(self, partition: int, offset: int) -> tuple[int, float] | None:
         """The (offset, timestamp) of the first record at or after ``offset``."""

@@ -80,7 +80,7 @@ class LocalPreload:
         already caught up with the log (``stream.worker.app``), else at the first recovery."""
         if self.state is not None and not self.merged:
             state.merge(self.state)
-            self.merged = True
+            self.merged, self.state = True, None  # ``state`` holds its parts now
 
     def holds_changelog(self, ends: Mapping[int, int]) -> bool:
         """Whether the files read hold every record of the changelog, whose end offsets

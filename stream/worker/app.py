@@ -24,7 +24,7 @@ from typing import Any
 import faust
 import mode
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
 from stream.config import Settings
@@ -335,23 +335,30 @@ def build_worker(
         # A restart whose files hold every event of the log (a clean stop, nothing written
         # since) answers at once: the preload's view is taken in before the group join and
         # the recovery (~1-2 s), which then find its partitions unchanged. Otherwise the
-        # first recovery takes the preload in, as before.
+        # first recovery takes the preload in, as before. Only a shortcut: any failure
+        # leaves that path to do it.
         local = preload
         if local is None:
             return
-        await local.wait()
-        if local.state is None or not local.marks:  # nothing read: not a restart
-            return
-        since = probe.samples  # an end read after the files were
-        while probe.samples <= since and preload is local and not app.should_stop:
-            await asyncio.sleep(PROBE_POLL_S)
-        try:  # the files must hold the changelog too: nobody wrote it after them
+        try:
+            await local.wait()
+            if local.state is None or not local.marks:  # nothing read: not a restart
+                return
+            since = probe.begun  # ends read wholly after the files were
+            while probe.samples <= since:
+                if preload is not local or app.should_stop:
+                    return
+                await asyncio.sleep(PROBE_POLL_S)
+            # the files must hold the changelog too: nobody wrote it after them
             holds = local.holds_changelog(await follower.ends(partitions))
-        except (KafkaError, OSError):
-            return
-        async with reload_turn:
-            if holds and preload is local and readiness.loaded_whole(local.state.applied, since):
-                local.merge_into(state)
+            async with reload_turn:
+                if holds and preload is local and readiness.loaded_whole(local.state.applied, since):
+                    local.merge_into(state)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the recovery loads the view instead
+            log.warning("the local state files could not answer before the group join (%s: %s); "
+                        "the recovery loads them", type(exc).__name__, exc)
 
     publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
                                settings.max_writes_in_flight, settings.kafka, stored)

@@ -154,7 +154,7 @@ class StateKeeper:
         gc.disable()
         try:
             reused: set[int] = set()
-            if preload is not None and preload.state is not None:
+            if preload is not None and (preload.state is not None or preload.merged):
                 preload.merge_into(self.state)
                 reused = {p for p, db in partitions.items() if preload.unchanged(p, db)}
             for partition, db in partitions.items():

@@ -94,6 +94,7 @@ class LogEnds(Protocol):
 
     ends: dict[int, int]
     first_missing: dict[int, tuple[int, float]]
+    begun: int
     samples: int
 
 
@@ -122,14 +123,15 @@ class Readiness:
     def loaded(self) -> None:
         """A recovery has loaded the view (only the first counts)."""
         if self._loaded_at is None:
-            self._loaded_at = self.log_ends.samples
+            self._loaded_at = self.log_ends.begun
 
     def loaded_whole(self, applied: Mapping[int, int], since: int) -> bool:
         """The view was loaded from every partition's local file (a restart's preload,
         before the group join) with these ``applied`` offsets: ready at once if they reach
         the log's end as read after the load (a probe sample past ``since``), so a
         restart on files that hold the whole log answers without waiting for the join
-        and the recovery; returns whether it is ready."""
+        and the recovery; returns whether it is ready. ``since`` is the probe's ``begun``
+        when the load ended."""
         ends = self.log_ends
         if not self.ready_once and ends.samples > since and ends.ends \
                 and caught_up(ends.ends, applied):

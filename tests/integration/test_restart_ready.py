@@ -35,16 +35,21 @@ def test_files_that_hold_the_whole_log_answer_before_the_group_join(make_service
     digest = service.digest()
     assert service.stop(signal.SIGTERM) == 0
 
-    mark = service.log_path.stat().st_size
-    service.start()
-    # answered at its first ready: the whole view, from the files
-    assert _held(service) == expected and service.digest() == digest
-    log = _log_since(service, mark)
-    assert EARLY in log, log[-3000:]
-    # ready before the recovery that follows the group join (if it came yet)
-    recovered = log.find(RECOVERED)
-    assert recovered == -1 or log.index(EARLY) < recovered, log[-3000:]
-    eventually(lambda: RECOVERED in _log_since(service, mark), timeout=60)
+    # The early answer races the group join (a wait of the broker's, ~1 s): the restart is
+    # tried up to 3 times on a busy machine, and every one is whole at its first ready.
+    early = []
+    for _ in range(3):
+        mark = service.log_path.stat().st_size
+        service.start()
+        assert _held(service) == expected and service.digest() == digest  # at its first ready
+        log = _log_since(service, mark)
+        recovered = log.find(RECOVERED)
+        early.append(EARLY in log and (recovered == -1 or log.index(EARLY) < recovered))
+        eventually(lambda mark=mark: RECOVERED in _log_since(service, mark), timeout=60)
+        if early[-1]:
+            break
+        assert service.stop(signal.SIGTERM) == 0
+    assert early[-1], f"ready only after the recovery in {len(early)} restarts:\n{log[-3000:]}"
     _place(service, "ns/pod-new", ["fresh"])  # the worker owns its partitions afterwards
     eventually(lambda: _held(service).get("ns/pod-new") == 1, timeout=30)
 

@@ -60,11 +60,13 @@ def test_decide():
 class Ends:
     ends: dict[int, int] = field(default_factory=dict)
     first_missing: dict[int, tuple[int, float]] = field(default_factory=dict)
+    begun: int = 0
     samples: int = 0
 
     def read(self, ends: dict[int, int]) -> None:
+        self.begun += 1
         self.ends = ends
-        self.samples += 1
+        self.samples = self.begun
 
 
 def test_ready_once_loaded_and_caught_up_then_through_any_lag_unless_bounded():
@@ -99,7 +101,7 @@ def test_files_that_hold_the_whole_log_are_ready_before_any_recovery():
     ends = Ends()
     readiness = Readiness(dict, ends, lambda: False, clock=lambda: 0.0)
     files = {0: 4, 1: 2}  # the preload's applied offsets
-    since = ends.samples
+    since = ends.begun
     assert not readiness.loaded_whole(files, since)  # no end read after the files were
     ends.read({0: 5, 1: 4})
     assert not readiness.loaded_whole(files, since)  # partition 1 lacks an event
@@ -147,3 +149,34 @@ def test_the_readiness_of_a_worker_asks_its_problem_on_every_report():
     assert readiness.report().reason.startswith("loading")
     problems.append("state writes fail")
     assert readiness.report().reason.endswith("; state writes fail")
+
+
+def test_a_probe_reading_in_flight_when_the_load_ended_is_not_taken_as_read_after_it():
+    import asyncio
+
+    from stream.kafka.log_probe import EventLogProbe
+
+    class Consumer:
+        """Answers end offsets when told to (a probe's reading in flight)."""
+
+        def __init__(self) -> None:
+            self.answer = asyncio.Event()
+
+        async def end_offsets(self, tps):
+            await self.answer.wait()
+            return {tp: 0 for tp in tps}
+
+    async def scene() -> None:
+        probe = EventLogProbe("127.0.0.1:1", "events", 2, dict)
+        probe._consumer = Consumer()  # the probe's own consumer, replaced for this unit
+        reading = asyncio.ensure_future(probe.sample())
+        await asyncio.sleep(0)  # the reading has begun: its end offsets are being asked for
+        since = probe.begun  # the load ends now
+        probe._consumer.answer.set()
+        await reading
+        assert probe.ends == {0: 0, 1: 0}
+        assert probe.samples <= since  # begun before: not an end read after the load
+        await probe.sample()
+        assert probe.samples > since
+
+    asyncio.run(scene())
