@@ -137,7 +137,7 @@ def serve(resolved: Resolved) -> None:
     if datadir.root.exists():
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     refuse_taken_port(settings.host, settings.port)
-    broker = journal = kept_log = None
+    broker = journal = kept_log = view = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
         cluster = reach_cluster(bootstrap, settings)
@@ -183,7 +183,7 @@ def serve(resolved: Resolved) -> None:
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
             )
-        worker = build_worker(settings, bootstrap, partitions, embedded=embedded,
+        worker, view = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
                               stored=None if journal is None else journal.wait_stored,
                               log_problem=lambda: None if journal is None else journal.problem())
@@ -196,6 +196,8 @@ def serve(resolved: Resolved) -> None:
         worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
+            if view is not None:
+                _leave_snapshot(datadir, view)
             _release(datadir, journal, settings.shutdown_timeout_s)
         raise
     finally:
@@ -254,6 +256,19 @@ def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, chang
     except RuntimeError as exc:
         raise SystemExit(f"cannot keep the embedded broker's log in {log_files.root}: "
                          f"{exc}") from None
+
+
+def _leave_snapshot(datadir: Any, view: Any) -> None:
+    """The view for the next start (``stream.state.snapshot``), when the files hold it; a
+    failure (a full disk) only costs the next start its shortcut."""
+    from stream.state.snapshot import write_snapshot
+
+    try:
+        if write_snapshot(datadir, view):
+            log.info("left the view for the next start in %s", datadir.snapshot)
+    except Exception as exc:  # noqa: BLE001 - the files are whole either way
+        datadir.drop_snapshot()
+        log.warning("could not leave a view snapshot (%s); the next start reads the files", exc)
 
 
 def _release(datadir: Any, journal: Any, timeout_s: float) -> None:

@@ -10,6 +10,8 @@ worker, ``rebuild`` and ``state digest`` share them; Faust adds an empty ``lru-b
 ``RUNNING`` exists while a worker owns the dir: finding it at start means the last run
 crashed, and the local table files are dropped and restored from the changelog.
 ``SEED`` marks a state written by ``rebuild`` that no changelog holds yet.
+``DATA_DIR/v1/view.snapshot`` is the view left by a clean stop for the next start
+(``stream.state.snapshot``; it begins with ``SNAPSHOT_MAGIC``).
 ``mmcache.lock`` is held (``flock``) by the one process that owns the dir.
 
 mmcache never deletes a file it did not create: a dir holding anything outside this
@@ -40,7 +42,8 @@ from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
 from stream.kafka.topics import TABLE_NAME
 from stream.state.store import load_partition
 
-__all__ = ["LOCK_NAME", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse", "StateMismatch"]
+__all__ = ["LOCK_NAME", "SNAPSHOT_MAGIC", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse",
+           "StateMismatch", "write_whole"]
 
 STATE_FORMAT = 1
 LOCK_NAME = "mmcache.lock"
@@ -58,6 +61,8 @@ _ROCKSDB_FILE = re.compile(
 _PROBE_FILE = re.compile(r"^tmp[a-z0-9_]{8}$")
 _SIGNED_MAX_BYTES = 4096
 _MARKS = {"RUNNING", "SEED"}
+_SNAPSHOT = "view.snapshot"
+SNAPSHOT_MAGIC = b"mmcache view snapshot\n"
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ def _mark_content(name: str) -> bytes:
                          "written": datetime.now(UTC).isoformat(timespec="seconds")})
 
 
-def _write_whole(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
     """Write one of mmcache's files whole or not at all (through ``<name>.tmp``): a full
     disk must not leave an empty mark or marker, which no later start could tell for ours."""
     tmp = path.with_name(path.name + ".tmp")
@@ -87,6 +92,14 @@ def _write_whole(path: Path, data: bytes) -> None:
 def _is_our_mark(path: Path) -> bool:
     data = _small_json(path)
     return isinstance(data, dict) and data.get("mmcache") == path.name.removesuffix(".tmp")
+
+
+def _is_our_snapshot(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(SNAPSHOT_MAGIC)) == SNAPSHOT_MAGIC
+    except OSError:
+        return False
 
 
 def _is_our_marker(path: Path) -> bool:
@@ -118,6 +131,8 @@ def _is_ours(parts: tuple[str, ...], path: Path, is_dir: bool) -> bool:
     if parts[0] != "v1":
         return False
     if depth == 2:
+        if name.removesuffix(".tmp") == _SNAPSHOT:
+            return not is_dir and _is_our_snapshot(path)
         return is_dir and name in ("tables", LOG_DIR_NAME)
     if parts[1] == LOG_DIR_NAME:
         return is_log_entry(depth - 3, name, is_dir)
@@ -156,6 +171,7 @@ class DataDir:
         self.running = root / "RUNNING"
         self.seed = root / "SEED"
         self.tables = root / "v1" / "tables"
+        self.snapshot = root / "v1" / _SNAPSHOT
         self.log_root = root / "v1" / LOG_DIR_NAME
 
     @staticmethod
@@ -180,11 +196,18 @@ class DataDir:
             log.warning("the last worker on %s did not stop cleanly: dropping its local "
                         "table files, to be restored from the changelog", self.root)
             self._remove_ours(self.tables)
-        _write_whole(self.running, _mark_content(self.running.name))
+            self.drop_snapshot()
+        write_whole(self.running, _mark_content(self.running.name))
+
+    def drop_snapshot(self) -> None:
+        """Remove the view snapshot (``stream.state.snapshot``), once read or outdated."""
+        for path in (self.snapshot, self.snapshot.with_name(_SNAPSHOT + ".tmp")):
+            if path.exists() and _is_our_snapshot(path):
+                path.unlink()
 
     def mark_seed(self) -> None:
         """Mark a state that ``rebuild`` wrote and no changelog holds yet."""
-        _write_whole(self.seed, _mark_content(self.seed.name))
+        write_whole(self.seed, _mark_content(self.seed.name))
 
     def embedded_cluster(self) -> str | None:
         """The cluster id to start `serve`'s own embedded broker with: the one whose log
@@ -313,7 +336,7 @@ class DataDir:
                 )
         self.root.mkdir(parents=True, exist_ok=True)
         marker = {**identity, _CLUSTER_KEY: cluster_id} if cluster_id is not None else identity
-        _write_whole(self.marker, orjson.dumps(marker))
+        write_whole(self.marker, orjson.dumps(marker))
 
     def _remove_ours(self, top: Path) -> None:
         """Remove the entries under ``top`` that mmcache or RocksDB wrote, and the dirs

@@ -6,7 +6,10 @@ costs ~2.5 s of Python, so the reading is started first, in forked reader proces
 (one per core, each over some partition files), while the worker process imports and
 starts Faust. Each reader hands its partitions' view back through a pipe as one
 ``marshal`` blob, ~0.5 µs per entry to load against ~2.5 µs to read; a thread waits for
-the blobs, so the event loop is not held up while they come.
+the blobs, so the event loop is not held up while they come. After a clean stop that
+left a view snapshot (``stream.state.snapshot``), the readers only check that the files
+still hold what it was written with, and the thread loads the snapshot instead (~0.35 s
+at 1M entries).
 
 This module imports no Faust: the readers are forked before the worker's own imports.
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 from stream.core.cache import CacheState, Capacity
 from stream.state.datadir import DataDir
+from stream.state.snapshot import FileMarks, file_marks, read_snapshot, snapshot_marks
 from stream.state.store import FAUST_OFFSET_KEY, load_partition
 
 __all__ = ["LocalPreload"]
@@ -53,19 +57,21 @@ class LocalPreload:
     def start(self) -> LocalPreload:
         """Fork the readers (while no other thread runs) and collect their views in a thread."""
         partitions = self.datadir.partitions()
+        expected = snapshot_marks(self.datadir, self.capacity) if partitions else None
         context = multiprocessing.get_context("fork")
         pipes = []
         for group in (partitions[i::self.readers] for i in range(self.readers)):
             if not group:
                 continue
             receiver, sender = context.Pipe(duplex=False)
-            reader = context.Process(target=_read, args=(self.datadir, self.capacity, group, sender),
+            reader = context.Process(target=_read,
+                                     args=(self.datadir, self.capacity, group, sender, expected),
                                      name="mmcache-preload", daemon=True)
             reader.start()
             sender.close()
             pipes.append((receiver, reader))
-        self._thread = threading.Thread(target=self._collect, args=(pipes,), name="preload",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._collect, args=(pipes, expected),
+                                        name="preload", daemon=True)
         self._thread.start()
         return self
 
@@ -95,7 +101,7 @@ class LocalPreload:
         """Whether the table's partition is still what was read."""
         return partition in self.marks and db.get(FAUST_OFFSET_KEY) == self.marks[partition]
 
-    def _collect(self, pipes: list[tuple[Connection, Any]]) -> None:
+    def _collect(self, pipes: list[tuple[Connection, Any]], expected: FileMarks | None) -> None:
         try:
             blobs = [receiver.recv_bytes() for receiver, _ in pipes]
         except EOFError:
@@ -106,21 +112,43 @@ class LocalPreload:
             for receiver, reader in pipes:
                 receiver.close()  # a reader still sending gets a broken pipe and ends
                 reader.join()
-        state, marks = CacheState(self.capacity), {}
         gc.disable()  # a million new objects, none in a cycle: collections only cost time
         try:
-            for blob in blobs:
-                exported, part_marks = marshal.loads(blob)
-                state.merge(CacheState.from_export(self.capacity, exported))
-                marks.update(part_marks)
+            if expected is not None and blobs and not any(blobs):  # the files are the snapshot's
+                state = read_snapshot(self.datadir, self.capacity)
+                marks = {partition: mark for partition, (mark, _) in expected.items()}
+                source = "the view snapshot of the last clean stop"
+            elif all(blobs):
+                state, marks = CacheState(self.capacity), {}
+                for blob in blobs:
+                    exported, part_marks = marshal.loads(blob)
+                    state.merge(CacheState.from_export(self.capacity, exported))
+                    marks.update(part_marks)
+                source = "partitions " + str(sorted(marks))
+            else:  # the files changed between two readers' looks: none of this is sure
+                log.warning("could not preload the local state (its files changed while read); "
+                            "it is read at recovery instead")
+                return
+        except (OSError, ValueError, EOFError, TypeError) as exc:
+            log.warning("could not preload the local state (%s); it is read at recovery instead",
+                        exc)
+            return
         finally:
             gc.enable()
+            if expected is not None:
+                self.datadir.drop_snapshot()  # read, or outdated: never used twice
         self.state, self.marks = state, marks
-        log.info("preloaded %d endpoints from partitions %s", len(state.endpoints), sorted(marks))
+        log.info("preloaded %d endpoints from %s", len(state.endpoints), source)
 
 
-def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: Connection) -> None:
-    """A reader process: the view of some partitions, sent as one blob."""
+def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: Connection,
+          expected: FileMarks | None = None) -> None:
+    """A reader process: the view of some partitions, sent as one blob; or nothing (an
+    empty blob) when every file still holds what the view snapshot was written with."""
+    if expected is not None and file_marks(datadir) == expected:
+        sender.send_bytes(b"")
+        sender.close()
+        return
     gc.disable()
     state, marks = CacheState(capacity), {}
     for partition in partitions:

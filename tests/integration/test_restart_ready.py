@@ -1,6 +1,6 @@
 """A restart on local files that hold every event of the log is ready before its group
-join (the preload answers at once); one whose files miss events is ready only once its
-view has them, as before."""
+join (the preload answers at once, from the view snapshot its clean stop left); one whose
+files miss events is ready only once its view has them, as before."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_files_that_hold_the_whole_log_answer_before_the_group_join(make_service
     eventually(lambda: _held(service) == expected, timeout=60)
     digest = service.digest()
     assert service.stop(signal.SIGTERM) == 0
+    assert (service.data_dir / "v1" / "view.snapshot").exists()  # the view, left by the clean stop
 
     # The early answer races the group join (a wait of the broker's, ~1 s): the restart is
     # tried up to 3 times on a busy machine, and every one is whole at its first ready.
@@ -44,6 +45,8 @@ def test_files_that_hold_the_whole_log_answer_before_the_group_join(make_service
         assert _held(service) == expected and service.digest() == digest  # at its first ready
         log = _log_since(service, mark)
         recovered = log.find(RECOVERED)
+        assert "from the view snapshot" in log, log[-3000:]  # not the files, read again
+        assert not (service.data_dir / "v1" / "view.snapshot").exists()
         early.append(EARLY in log and (recovered == -1 or log.index(EARLY) < recovered))
         eventually(lambda mark=mark: RECOVERED in _log_since(service, mark), timeout=60)
         if early[-1]:

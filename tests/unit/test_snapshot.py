@@ -1,0 +1,99 @@
+"""The view snapshot of a clean stop (stream.state.snapshot): taken by the next start in
+place of reading the files only while the files still hold what it was written with;
+read once; written only when the files hold exactly the view; mmcache's own file."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from stream.core.cache import Capacity
+from stream.core.events import ItemsPlaced, Position
+from stream.core.items import Item
+from stream.state.datadir import DataDir, StateMismatch
+from stream.state.preload import LocalPreload
+from stream.state.snapshot import write_snapshot
+from stream.state.store import FAUST_OFFSET_KEY, write_effects
+from tests.unit.test_keeper import fold, written_datadir
+from tests.unit.test_store import Scenario
+
+CAPACITY = Capacity("items", 4)
+
+
+def _scenario() -> Scenario:
+    placed = [ItemsPlaced(endpoint=f"ns/pod-{p}", items=[Item(f"h{p}", 1, "image")]) for p in range(3)]
+    return Scenario(CAPACITY, 3, [(Position(p, 0), e) for p, e in enumerate(placed)])
+
+
+def _preload(datadir: DataDir) -> LocalPreload:
+    return asyncio.run(LocalPreload(datadir, CAPACITY).start().wait())
+
+
+def test_a_clean_stops_snapshot_is_the_next_starts_view_and_is_read_once(tmp_path, caplog):
+    scenario = _scenario()
+    datadir = written_datadir(tmp_path, scenario)
+    view = fold(scenario)
+    assert write_snapshot(datadir, view)
+    assert datadir.snapshot.exists()
+    datadir.refuse_foreign()  # mmcache's own file
+    with caplog.at_level(logging.INFO, logger="stream.state.preload"):
+        preload = _preload(datadir)
+    assert "from the view snapshot" in caplog.text
+    assert preload.state is not None and preload.state.digest() == view.digest()
+    assert preload.state.applied == view.applied
+    assert preload.marks == {0: b"41", 1: b"41", 2: b"41"}
+    assert not datadir.snapshot.exists()  # never used twice
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="stream.state.preload"):
+        again = _preload(datadir)
+    assert "from partitions [0, 1, 2]" in caplog.text
+    assert again.state is not None and again.state.digest() == view.digest()
+
+
+def test_a_file_written_after_the_snapshot_is_read_instead_and_the_snapshot_dropped(tmp_path, caplog):
+    scenario = _scenario()
+    datadir = written_datadir(tmp_path, scenario)
+    view = fold(scenario)
+    assert write_snapshot(datadir, view)
+    later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
+    expected = fold(scenario)
+    db = datadir.open_partition(1)
+    write_effects(db, expected.apply(later, Position(1, 1)), 1)
+    db[FAUST_OFFSET_KEY] = b"42"
+    db.close()
+    with caplog.at_level(logging.INFO, logger="stream.state.preload"):
+        preload = _preload(datadir)
+    assert "from partitions [0, 1, 2]" in caplog.text
+    assert preload.state is not None and preload.state.digest() == expected.digest()
+    assert not datadir.snapshot.exists()
+
+
+def test_no_snapshot_when_the_view_holds_what_the_files_do_not(tmp_path):
+    scenario = _scenario()
+    datadir = written_datadir(tmp_path, scenario)
+    view = fold(scenario)
+    view.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("unstored", 1, "image")]), Position(0, 1))
+    assert not write_snapshot(datadir, view)  # a batch the files did not store
+    assert not datadir.snapshot.exists()
+
+
+def test_a_view_snapshot_mmcache_did_not_write_is_refused_and_kept(tmp_path):
+    datadir = written_datadir(tmp_path, _scenario())
+    datadir.snapshot.write_bytes(b"my own file")
+    with pytest.raises(StateMismatch, match="view.snapshot"):
+        datadir.refuse_foreign()
+    datadir.drop_snapshot()
+    assert datadir.snapshot.read_bytes() == b"my own file"
+
+
+def test_a_crash_drops_the_snapshot_with_the_table_files(tmp_path):
+    scenario = _scenario()
+    datadir = written_datadir(tmp_path, scenario)
+    assert write_snapshot(datadir, fold(scenario))
+    identity = DataDir.identity("app", "topic", scenario.capacity)
+    datadir.claim(identity)  # writes RUNNING; the run "crashes": RUNNING stays
+    datadir.unlock()
+    DataDir(datadir.root).claim(identity)
+    assert not datadir.snapshot.exists() and datadir.partitions() == []
