@@ -137,7 +137,7 @@ def serve(resolved: Resolved) -> None:
     if datadir.root.exists():
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     refuse_taken_port(settings.host, settings.port)
-    broker = journal = kept_log = view = None
+    broker = journal = kept_log = keeper = None
     bootstrap = settings.bootstrap_servers
     if bootstrap:
         cluster = reach_cluster(bootstrap, settings)
@@ -183,7 +183,7 @@ def serve(resolved: Resolved) -> None:
             loop.run_until_complete(
                 seed_deployment(bootstrap, datadir, settings.app_id, settings.events_topic, settings)
             )
-        worker, view = build_worker(settings, bootstrap, partitions, embedded=embedded,
+        worker, keeper = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
                               stored=None if journal is None else journal.wait_stored,
                               log_problem=lambda: None if journal is None else journal.problem())
@@ -196,8 +196,8 @@ def serve(resolved: Resolved) -> None:
         worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
-            if view is not None:
-                _leave_snapshot(datadir, view)
+            if keeper is not None and keeper.view_is_stored:
+                _leave_snapshot(datadir, keeper.state)
             _release(datadir, journal, settings.shutdown_timeout_s)
         raise
     finally:

@@ -95,11 +95,15 @@ def _is_our_mark(path: Path) -> bool:
 
 
 def _is_our_snapshot(path: Path) -> bool:
+    """A view snapshot begins with ``SNAPSHOT_MAGIC``; an empty one under that name is
+    ours too (a stop killed between creating it and writing it, or a power cut before
+    its data reached the disk), else the next start would refuse the whole dir."""
     try:
         with open(path, "rb") as file:
-            return file.read(len(SNAPSHOT_MAGIC)) == SNAPSHOT_MAGIC
+            start = file.read(len(SNAPSHOT_MAGIC))
     except OSError:
         return False
+    return start in (SNAPSHOT_MAGIC, b"")
 
 
 def _is_our_marker(path: Path) -> bool:

@@ -88,6 +88,12 @@ class LocalPreload:
             state.merge(self.state)
             self.merged, self.state = True, None  # ``state`` holds its parts now
 
+    def drop_snapshot(self) -> None:
+        """Remove the view snapshot this preload read, once the worker's files are open
+        for writing (its first recovery): a start refused before that (no room to open
+        them) leaves it for the next one, and its room counts until then."""
+        self.datadir.drop_snapshot()
+
     def holds_changelog(self, ends: Mapping[int, int]) -> bool:
         """Whether the files read hold every record of the changelog, whose end offsets
         are ``ends`` (a partition without a file: an empty one)."""
@@ -102,21 +108,32 @@ class LocalPreload:
         return partition in self.marks and db.get(FAUST_OFFSET_KEY) == self.marks[partition]
 
     def _collect(self, pipes: list[tuple[Connection, Any]], expected: FileMarks | None) -> None:
+        used = False  # the snapshot: kept until ``drop_snapshot``, else dropped here
+        try:
+            used = self._take(pipes, expected)
+        finally:
+            if not used:
+                self.datadir.drop_snapshot()  # outdated or unreadable, if there is one
+
+    def _take(self, pipes: list[tuple[Connection, Any]], expected: FileMarks | None) -> bool:
+        """Take the readers' views, or the snapshot when they all found its files; say
+        whether the snapshot was used."""
         try:
             blobs = [receiver.recv_bytes() for receiver, _ in pipes]
         except EOFError:
             log.warning("could not preload the local state (a reader failed); it is read "
                         "at recovery instead")
-            return
+            return False
         finally:
             for receiver, reader in pipes:
                 receiver.close()  # a reader still sending gets a broken pipe and ends
                 reader.join()
+        snapshot = expected is not None and bool(blobs) and not any(blobs)
         gc.disable()  # a million new objects, none in a cycle: collections only cost time
         try:
-            if expected is not None and blobs and not any(blobs):  # the files are the snapshot's
+            if snapshot:  # every file still holds what the snapshot was written with
                 state = read_snapshot(self.datadir, self.capacity)
-                marks = {partition: mark for partition, (mark, _) in expected.items()}
+                marks = {partition: mark for partition, (mark, _) in (expected or {}).items()}
                 source = "the view snapshot of the last clean stop"
             elif all(blobs):
                 state, marks = CacheState(self.capacity), {}
@@ -128,18 +145,16 @@ class LocalPreload:
             else:  # the files changed between two readers' looks: none of this is sure
                 log.warning("could not preload the local state (its files changed while read); "
                             "it is read at recovery instead")
-                return
+                return False
         except (OSError, ValueError, EOFError, TypeError) as exc:
             log.warning("could not preload the local state (%s); it is read at recovery instead",
                         exc)
-            return
+            return False
         finally:
             gc.enable()
-            if expected is not None:
-                self.datadir.drop_snapshot()  # read, or outdated: never used twice
         self.state, self.marks = state, marks
         log.info("preloaded %d endpoints from %s", len(state.endpoints), source)
-
+        return snapshot
 
 def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: Connection,
           expected: FileMarks | None = None) -> None:

@@ -70,12 +70,14 @@ def snapshot_marks(datadir: DataDir, capacity: Capacity) -> FileMarks | None:
     try:
         with open(datadir.snapshot, "rb") as file:
             header = _header(file)
-    except (OSError, ValueError, EOFError, TypeError, struct.error):
-        return None
-    if header is None or header[0] != FORMAT or tuple(header[1]) != tuple(capacity):
-        return None
-    marks: FileMarks = header[2]
-    return marks
+        if header is None or header[0] != FORMAT or tuple(header[1]) != tuple(capacity):
+            return None
+        marks = header[2]
+        if not isinstance(marks, dict):
+            return None
+        return marks
+    except (OSError, ValueError, EOFError, TypeError, IndexError, struct.error):
+        return None  # unreadable: the files are read instead, and it is dropped
 
 
 def read_snapshot(datadir: DataDir, capacity: Capacity) -> CacheState:

@@ -209,10 +209,10 @@ def build_worker(
     preload: LocalPreload | None = None,
     stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
     log_problem: Callable[[], str | None] = lambda: None,
-) -> tuple[faust.Worker, CacheState]:
+) -> tuple[faust.Worker, StateKeeper]:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
-    event log probe, and return it with its view; nothing has started yet (but the
-    ``preload`` of the local state, which the first recovery takes in)."""
+    event log probe, and return it with its keeper (which holds the view); nothing has
+    started yet (but the ``preload`` of the local state, which the first recovery takes in)."""
     app = faust.App(settings.app_id, **faust_settings(settings, bootstrap_servers, embedded))
     topic = app.topic(
         settings.events_topic, key_type=bytes, value_type=bytes, partitions=partitions
@@ -328,6 +328,8 @@ def build_worker(
                      if tp.topic == changelog}
             await follower.follow(owned, partitions)
             await keeper.reload({p: db for p, db in table.data._dbs.items() if p in owned}, first)
+            if first is not None:
+                first.drop_snapshot()
             if this == recoveries:
                 readiness.loaded()
 
@@ -371,4 +373,4 @@ def build_worker(
     worker = faust.Worker(app, http, follower, probe, StartTask(ready_from_local_files),
                           loglevel=settings.log_level, quiet=True)
     worker.spinner = None  # a terminal spinner only garbles service logs
-    return worker, state
+    return worker, keeper

@@ -77,6 +77,12 @@ class StateKeeper:
         self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else _Letters()
         self._rejected: dict[str, int] = {}
 
+    @property
+    def view_is_stored(self) -> bool:
+        """Whether the view holds nothing its store lacks: not so once a fold failed
+        part-way (``apply_failed``), whose changes are not mirrored."""
+        return "apply_failed" not in self._rejected
+
     def apply_batch(self, partition: int, records: Iterable[Any],
                     records_per_slice: int | None = None) -> int:
         """Apply fetched records (with ``offset``, ``key`` and ``value``) of one partition,

@@ -31,7 +31,7 @@ def _preload(datadir: DataDir) -> LocalPreload:
     return asyncio.run(LocalPreload(datadir, CAPACITY).start().wait())
 
 
-def test_a_clean_stops_snapshot_is_the_next_starts_view_and_is_read_once(tmp_path, caplog):
+def test_a_clean_stops_snapshot_is_the_next_starts_view_until_dropped(tmp_path, caplog):
     scenario = _scenario()
     datadir = written_datadir(tmp_path, scenario)
     view = fold(scenario)
@@ -44,7 +44,9 @@ def test_a_clean_stops_snapshot_is_the_next_starts_view_and_is_read_once(tmp_pat
     assert preload.state is not None and preload.state.digest() == view.digest()
     assert preload.state.applied == view.applied
     assert preload.marks == {0: b"41", 1: b"41", 2: b"41"}
-    assert not datadir.snapshot.exists()  # never used twice
+    assert datadir.snapshot.exists()  # until the files are open for writing: its room counts
+    preload.drop_snapshot()
+    assert not datadir.snapshot.exists()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="stream.state.preload"):
         again = _preload(datadir)
@@ -97,3 +99,31 @@ def test_a_crash_drops_the_snapshot_with_the_table_files(tmp_path):
     datadir.unlock()
     DataDir(datadir.root).claim(identity)
     assert not datadir.snapshot.exists() and datadir.partitions() == []
+
+
+def test_an_empty_snapshot_under_its_name_is_ours_and_dropped(tmp_path):
+    datadir = written_datadir(tmp_path, _scenario())
+    for path in (datadir.snapshot, datadir.snapshot.with_name("view.snapshot.tmp")):
+        path.write_bytes(b"")  # a stop killed between creating it and writing it
+    datadir.refuse_foreign()
+    assert _preload(datadir).state is not None  # read from the files
+    assert not datadir.snapshot.exists()
+    datadir.drop_snapshot()
+    assert not datadir.snapshot.with_name("view.snapshot.tmp").exists()
+
+
+def test_a_keeper_whose_fold_failed_part_way_says_its_view_is_not_stored():
+    from types import SimpleNamespace
+
+    from stream.core.codec import encode_event
+    from stream.core.routing import key_partition
+    from tests.unit.test_admission import exploding_state
+    from tests.unit.test_keeper import keeper_for
+
+    keeper = keeper_for(CAPACITY)
+    assert keeper.view_is_stored
+    keeper.state = exploding_state()
+    event = ItemsPlaced(endpoint="ns/pod-0", items=[Item("h", 1, "image")])
+    keeper.apply_batch(key_partition(b"ns/pod-0", 1), [SimpleNamespace(offset=0, key=b"ns/pod-0",
+                                                                     value=encode_event(event))])
+    assert not keeper.view_is_stored  # a clean stop leaves no snapshot of it
