@@ -42,7 +42,8 @@ class Member:
                 stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
 
     def lines(self) -> list[str]:
-        return self.output.read_text().splitlines()
+        """The lines it finished printing (one read while it prints may end half-way)."""
+        return self.output.read_text().split("\n")[:-1]
 
     def partitions(self) -> set[int]:
         """Its partitions now (none once a rebalance took them)."""
