@@ -61,6 +61,7 @@ from stream.worker.table_mirror import (
     gate_changelog_restore,
     refuse_unwritable_state,
 )
+from stream.worker.view_marks import ViewMarks
 
 __all__ = ["ChangelogFollower", "HttpService", "MappingMirror", "Mirror", "StateKeeper",
            "StartTask", "TableMirror", "build_worker", "faust_settings", "rewind_stalled"]
@@ -221,7 +222,8 @@ def build_worker(
     changelog = table.changelog_topic.get_topic_name()
     state = CacheState(settings.capacity, settings.engine_view_max_entries)
     client = client_options(settings.kafka)
-    follower = ChangelogFollower(bootstrap_servers, changelog, state, client)
+    marks = ViewMarks()
+    follower = ChangelogFollower(bootstrap_servers, changelog, state, client, marks)
     probe = EventLogProbe(bootstrap_servers, settings.events_topic, partitions,
                           lambda: state.applied, client)
     refuse_unwritable_state(DataDir(settings.data_dir))  # one line, not Faust's crash
@@ -255,7 +257,7 @@ def build_worker(
 
     dead_letters = DeadLetterWriter(settings.dead_letter_topic, mirror._producer,
                                     prepare_dead_letters)
-    keeper = StateKeeper(state, mirror, metrics, partitions, dead_letters)
+    keeper = StateKeeper(state, mirror, metrics, partitions, dead_letters, marks)
 
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
         # A worker resumed after its session expired must not write after the new owner:
@@ -266,6 +268,10 @@ def build_worker(
         tp = TP(settings.events_topic, partition)
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
+        # the view's part stays what the file holds only if it was before and the file
+        # holds this batch once it returns (stream.worker.view_marks)
+        held = marks.forget(partition)
+        held_before = held is not None and held == mirror.persisted(partition)
         await keeper.apply_in_slices(partition, records)
         # dead letters first: once the files hold a batch's applied offsets, its records are
         # never delivered again, so their letters must be on the log by then (a zombie's
@@ -280,6 +286,8 @@ def build_worker(
                                   lambda: confirm_owner(app, generation, tp, strict=True)):
             raise StateNotStored(f"partition {partition}: stopped before its batch could be "
                                  "stored; not acknowledged, the changelog holds it")
+        if held_before and keeper.view_is_stored:
+            marks.set(partition, mirror.persisted(partition))
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 

@@ -37,6 +37,7 @@ from stream.state.store import (
     is_engine_key,
 )
 from stream.state.view_load import load_partition_into_view
+from stream.worker.view_marks import ViewMarks
 
 __all__ = ["ChangelogFollower", "Reread"]
 
@@ -107,12 +108,14 @@ class ChangelogFollower(mode.Service):
     """
 
     def __init__(self, bootstrap_servers: str, changelog: str, view: CacheState,
-                 client: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 client: dict[str, Any] | None = None, marks: ViewMarks | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bootstrap_servers = bootstrap_servers
         self.client = client or {}
         self.changelog = changelog
         self.view = view
+        self.marks = marks if marks is not None else ViewMarks()
         self.following: set[int] = set()
         self.rereads: dict[int, Reread] = {}
         self._gates: dict[int, ChangelogGate] = {}  # per followed partition
@@ -152,7 +155,9 @@ class ChangelogFollower(mode.Service):
 
     async def follow(self, owned: set[int], partitions: int) -> None:
         """Follow every partition this worker does not own (called after each recovery):
-        a newly followed one is re-read aside, the others resume where they were."""
+        a newly followed one resumes after the changelog offset up to which the view
+        holds it (``ViewMarks``: the owner's last stored batch), or is re-read aside when
+        that is not known; the others resume where they were."""
         consumer = self._consumer
         assert consumer is not None
         async with self._lock:
@@ -160,6 +165,7 @@ class ChangelogFollower(mode.Service):
             for partition in self.following - following:
                 self.rereads.pop(partition, None)
                 self._next.pop(partition, None)
+            self._resume_from_marks(following - self.following)
             self.following = following
             consumer.assign([self._tp(p) for p in sorted(following)])
             again = [p for p in following if p in self.rereads or p not in self._next]
@@ -167,6 +173,16 @@ class ChangelogFollower(mode.Service):
                 consumer.seek(self._tp(partition), self._next[partition])
             await self._reread(consumer, again)
             self._assigned.set()
+
+    def _resume_from_marks(self, partitions: set[int]) -> None:
+        """Of these newly followed partitions, those the view holds up to a known
+        changelog offset resume after it, through a gate from the view's applied offset
+        (as a file's restore starts from its own); the others are re-read."""
+        for partition in partitions:
+            through = self.marks.through(partition)
+            if through is not None and partition not in self._next:
+                self._next[partition] = through + 1
+                self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
 
     async def _reread(self, consumer: AIOKafkaConsumer, partitions: list[int]) -> None:
         for partition in partitions:
@@ -212,18 +228,19 @@ class ChangelogFollower(mode.Service):
         if gate is None:
             gate = self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
         dropped = gate.dropped
-        admitted = gate.admit((r.key, r.value, (r.key, r.value)) for r in records)
+        admitted = gate.admit((r.key, r.value, r) for r in records)
         if gate.dropped > dropped:
             log.warning("changelog partition %d: skipped %d records of events written again "
                         "after later ones (a resumed zombie owner or a resent batch)", partition,
                         gate.dropped - dropped)
         reread = self.rereads.get(partition)
         if reread is not None:
-            for key, value in admitted:
-                reread.add(key, value)
+            for record in admitted:
+                reread.add(record.key, record.value)
         else:
             view = self.view
-            for key, value in admitted:
+            for record in admitted:
+                key, value = record.key, record.value
                 if key == APPLIED_KEY:
                     view.set_applied(partition, decode_applied(value))
                     continue
@@ -236,6 +253,15 @@ class ChangelogFollower(mode.Service):
                     view.engine.follow(partition, *engine)
         if records:
             self._next[partition] = records[-1].offset + 1
+            if reread is None:
+                self.marks.set(partition, self._held_through(partition, records[-1].offset))
+
+    def _held_through(self, partition: int, last: int) -> int:
+        """The changelog offset up to which the view holds ``partition`` once its records
+        up to ``last`` are taken: before the removals its gate holds back (an event read
+        in part), as a file's restore counts it."""
+        held = self._gates[partition].holding
+        return held[0].offset - 1 if held else last
 
     async def _load_finished(self, consumer: AIOKafkaConsumer) -> None:
         """Load every re-read that has reached the changelog's end into the view."""
@@ -246,5 +272,7 @@ class ChangelogFollower(mode.Service):
                 continue
             self._next[partition] = highwater
             reread = self.rereads.pop(partition)
+            self.marks.forget(partition)
             await load_partition_into_view(self.view, partition, reread.records())
+            self.marks.set(partition, self._held_through(partition, highwater - 1))
             self.loads += 1

@@ -108,9 +108,9 @@ class StateWrites:
         """A write to ``partition``'s file failed (logged once until it succeeds)."""
         self.errors_total += 1
         if partition not in self.failing:
-            log.error("cannot write the state of partition %d (%s): its events are not applied "
-                      "or acknowledged until they are stored; retrying, /v1/match answers from "
-                      "memory", partition, exc)
+            log.error("cannot write the state of partition %d (%s): its events are not "
+                      "acknowledged, nor later ones applied, until they are stored; retrying, "
+                      "/v1/match answers from memory", partition, exc)
             self.failing[partition] = (str(exc), self.clock())
 
     def stored(self, partition: int) -> None:
@@ -126,8 +126,8 @@ class StateWrites:
             return None
         error, since = min(self.failing.values(), key=lambda failure: failure[1])
         return (f"state writes fail for partitions {sorted(self.failing)} for "
-                f"{self.clock() - since:.0f} s ({error}): their events are not applied or "
-                "acknowledged until stored (retrying)")
+                f"{self.clock() - since:.0f} s ({error}): their events are not acknowledged, "
+                "nor later ones applied, until stored (retrying)")
 
     def collect(self) -> Iterator[Metric]:
         """The two figures, for ``/metrics`` (register this on the service's registry)."""
@@ -304,7 +304,7 @@ class TableMirror:
             # of the batch goes to it (``still_owner`` raises LostMembership; the changelog's
             # readers skip the batch, stream.state.store.ChangelogGate); or a zombie's, written
             # after this owner's, which every reader skips: the owner goes on.
-            after = reached.get(partition, self._persisted(partition))
+            after = reached.get(partition, self.persisted(partition))
             if after is not None and metadata.offset != after + 1:
                 if still_owner is None:
                     raise LostMembership(f"changelog partition {partition}: this batch landed "
@@ -354,7 +354,7 @@ class TableMirror:
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
 
-    def _persisted(self, partition: int) -> int | None:
+    def persisted(self, partition: int) -> int | None:
         """The changelog offset the partition's file holds everything up to (Faust's offset
         record, which recovery resumes after); ``None`` when not known."""
         store = self.table.data

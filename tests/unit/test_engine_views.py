@@ -337,6 +337,30 @@ def test_a_follower_of_the_changelog_and_a_re_read_equal_live(drawn, data):
 
 @SETTINGS
 @given(mixed_logs(), st.data())
+def test_a_partition_given_up_is_followed_on_from_the_owners_last_stored_batch(drawn, data):
+    """An owner that gives its partitions up follows them on from its view's marks (the
+    changelog offset of its last stored batch), not re-reading them, and ends equal to
+    live; a partition without a mark is re-read."""
+    _, log = drawn
+    state, changelog = live(log)
+    stop = data.draw(st.integers(0, len(log)))
+    owned, written = live(log[:stop])  # the owner's view, and what it wrote, at the handover
+    follower = ChangelogFollower("127.0.0.1:1", "changelog", owned)
+    for partition, records in written.items():
+        if records:
+            follower.marks.set(partition, len(records) - 1)
+    follower._resume_from_marks(set(changelog))
+    assert set(follower._next) == {p for p, records in written.items() if records}
+    for partition, records in sorted(changelog.items()):
+        start = follower._next.get(partition, 0)  # a re-read of one it held nothing of: all
+        fed = [SimpleNamespace(key=key, value=value, offset=at) for at, (key, value) in enumerate(records)]
+        follower._take(partition, fed[start:])
+        assert follower.marks.through(partition) == len(records) - 1
+    assert_same(follower.view, state)
+
+
+@SETTINGS
+@given(mixed_logs(), st.data())
 def test_resuming_from_an_earlier_point_equals_one_pass(drawn, data):
     _, log = drawn
     stop = data.draw(st.integers(0, len(log)))

@@ -291,6 +291,66 @@ def test_a_preload_that_failed_leaves_the_reading_to_the_keeper(tmp_path):
     assert tables[0].reads == 1
 
 
+# -- recoveries after the first: what the view already holds --------------------------------
+
+def three_pods(tmp_path) -> tuple[Scenario, dict[int, CountedReads]]:
+    placed = [ItemsPlaced(endpoint=f"ns/pod-{p}", items=[Item(f"h{p}", 1, "image")]) for p in range(3)]
+    scenario = Scenario(Capacity("items", 4), 3, [(Position(p, 0), e) for p, e in enumerate(placed)])
+    return scenario, tables_of(written_datadir(tmp_path, scenario))
+
+
+def test_a_rebalance_reads_only_the_partitions_whose_files_moved_past_the_view(tmp_path):
+    """Each recovery used to read every owned partition again; now only one whose file's
+    offset record is not the one the view holds it up to."""
+    scenario, tables = three_pods(tmp_path)
+    keeper = keeper_for(scenario.capacity)
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [1, 1, 1]
+    reload(keeper, tables)  # a rebalance that changed nothing
+    assert [t.reads for t in tables.values()] == [1, 1, 1]
+    # the recovery restored a record another owner wrote to partition 1
+    later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
+    expected = fold(scenario)
+    write_effects(tables[1], expected.apply(later, Position(1, 1)), 1)
+    tables[1][FAUST_OFFSET_KEY] = b"42"
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [1, 2, 1]
+    assert keeper.state.digest() == expected.digest()
+    assert keeper.state.holders["late"] == {"ns/pod-1"}
+
+
+def test_a_partition_whose_mark_was_forgotten_or_a_view_not_stored_is_read_again(tmp_path):
+    scenario, tables = three_pods(tmp_path)
+    keeper = keeper_for(scenario.capacity)
+    reload(keeper, tables)
+    keeper.marks.forget(2)  # a batch of partition 2 that was not stored
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [1, 1, 2]
+    keeper._rejected["apply_failed"] = 1  # a fold failed part-way: the view is not its files'
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [2, 2, 3]
+    assert keeper.state.digest() == fold(scenario).digest()
+
+
+def test_a_partition_the_follower_held_to_the_files_offset_is_taken_over_without_reading_it(tmp_path):
+    """A takeover: partition 2 was followed up to the changelog offset its file now holds."""
+    scenario, tables = three_pods(tmp_path)
+    keeper = keeper_for(scenario.capacity)
+    reload(keeper, {0: tables[0], 1: tables[1]})
+    followed = CacheState(scenario.capacity)  # what the follower read of partition 2
+    for position, event in scenario.log:
+        if position.partition == 2:
+            followed.apply(event, position)
+    keeper.state.merge(followed)
+    keeper.marks.set(2, 41)
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [1, 1, 0]
+    keeper.marks.set(2, 40)  # followed only up to the record before: read
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [1, 1, 1]
+    assert keeper.state.digest() == fold(scenario).digest()
+
+
 # -- malformed records ----------------------------------------------------------------------
 
 PLACE_A = ItemsPlaced(endpoint="ns/pod", items=[Item("a", 1, "image")])

@@ -56,7 +56,7 @@ def test_state_writes_report_the_failing_partitions_until_they_are_written(caplo
         writes.failed(2, Exception(FULL))
     assert len(caplog.records) == 1  # once until it is written
     assert writes.problem() == (f"state writes fail for partitions [2] for 3 s ({FULL}): their "
-                                "events are not applied or acknowledged until stored (retrying)")
+                                "events are not acknowledged, nor later ones applied, until stored (retrying)")
     figures = {m.name: m.samples[0].value for m in writes.collect()}
     assert figures == {"mmcache_state_write_errors": 2, "mmcache_state_writes_failing": 1}
     writes.stored(2)
