@@ -282,6 +282,8 @@ class Takeover:
     live_digest: str
     replay_digest: str
     victim_exit: int | None
+    #: partitions the survivor's last recovery read from its files (``None``: no recovery logged)
+    read_from_files: list[int] | None = None
 
     @property
     def floored(self) -> bool:
@@ -351,12 +353,26 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
             f"/readyz lag_events max {sampler.max_lag}, 0 for good after {sampler.lag_zero_s} s")
         return Takeover(traffic.placements_sent, len(traffic.acked), found, traffic.matches_sent,
                         traffic.matches_ok, traffic.match_errors, equal, sampler.lag_zero_s,
-                        sampler.max_lag, after_kill_s, live, replay, victim_exit)
+                        sampler.max_lag, after_kill_s, live, replay, victim_exit,
+                        read_at_last_recovery(Path(survivor.log.name)))
     finally:
         traffic.stop()
         for s in samplers:
             s.stop()
         stop_all(workers)
+
+
+def read_at_last_recovery(log_path: Path) -> list[int] | None:
+    """The partitions a worker's last recovery read from its files, from its log (the
+    keeper's "state loaded" line); ``None`` when it logged none."""
+    found = None
+    with open(log_path, errors="replace") as lines:
+        for line in lines:
+            if "state loaded:" in line and "(read from the files: [" in line:
+                found = line.rsplit("[", 1)[1].split("]", 1)[0]
+    if found is None:
+        return None
+    return [int(p) for p in found.split(",") if p.strip()]
 
 
 def spread(values: list[float]) -> str:

@@ -271,7 +271,7 @@ def build_worker(
         # the view's part stays what the file holds only if it was before and the file
         # holds this batch once it returns (stream.worker.view_marks)
         held = marks.forget(partition)
-        held_before = held is not None and held == mirror.persisted(partition)
+        held_before = held is not None and held == mirror.persisted(partition, absent=-1)
         await keeper.apply_in_slices(partition, records)
         # dead letters first: once the files hold a batch's applied offsets, its records are
         # never delivered again, so their letters must be on the log by then (a zombie's
@@ -287,7 +287,7 @@ def build_worker(
             raise StateNotStored(f"partition {partition}: stopped before its batch could be "
                                  "stored; not acknowledged, the changelog holds it")
         if held_before and keeper.view_is_stored:
-            marks.set(partition, mirror.persisted(partition))
+            marks.set(partition, mirror.persisted(partition, absent=-1))
 
     install_batch_path(app, {settings.events_topic: apply_batch})
 

@@ -110,6 +110,8 @@ BatchHandler = Callable[[int, Sequence[Any]], Awaitable[None]]
 
 # Faust's drain loop yields to the event loop every 100 messages of the per-message path.
 _YIELD_EVERY = 100
+#: How often a drain with no active partition looks for one (``wait_for_active_partitions``).
+IDLE_POLL_S = 0.01
 
 _handlers: weakref.WeakKeyDictionary[faust.App, dict[str, BatchHandler]] = (
     weakref.WeakKeyDictionary()
@@ -317,6 +319,7 @@ class _BatchDrain:
     async def fetch_once(self) -> None:
         """One fetch: Faust's ``getmany`` checks, then the batches, then the rest."""
         consumer = self.consumer
+        await self.wait_for_active_partitions()
         records, active = await consumer._wait_next_records(1.0)
         self.generation = self.app.consumer_generation_id
         await consumer.sleep(0)  # as Faust: a fetch loop must release the event loop
@@ -345,6 +348,24 @@ class _BatchDrain:
                 await self.give_back({tp: batch})  # paused since the fetch began
         if others:
             await self.deliver_messages(others, active)
+
+    async def wait_for_active_partitions(self) -> None:
+        """Wait, up to a second, for the flow to resume and a partition to be active.
+
+        Faust's ``_wait_next_records`` sleeps a whole second when it finds no active
+        partition. At the end of a recovery it resumes the flow a few ms before it resumes
+        the partitions, so a drain waiting on the flow woke in between and slept: a
+        takeover's first batch waited ~1 s after the partitions were ready. Here that
+        second is polled instead, so the fetch starts within ``IDLE_POLL_S`` of them.
+        """
+        consumer = self.consumer
+        if not consumer.flow_active:
+            await consumer.wait(consumer.can_resume_flow)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 1.0
+        while (not consumer._get_active_partitions() and not consumer.should_stop
+               and loop.time() < until):
+            await asyncio.sleep(IDLE_POLL_S)
 
     async def give_back(self, batches: Mapping[TP, Sequence[Any]]) -> None:
         """Seek each partition back to the first of its fetched records that no handler

@@ -354,9 +354,10 @@ class TableMirror:
     def _producer(self) -> AIOKafkaProducer:
         return self.app.producer._ensure_producer()  # type: ignore[attr-defined,no-any-return]
 
-    def persisted(self, partition: int) -> int | None:
+    def persisted(self, partition: int, absent: int | None = None) -> int | None:
         """The changelog offset the partition's file holds everything up to (Faust's offset
-        record, which recovery resumes after); ``None`` when not known."""
+        record, which recovery resumes after); ``absent`` when the file has no such record,
+        ``None`` when the file cannot be read."""
         store = self.table.data
         if partition in closed_partitions(store):
             return None
@@ -364,7 +365,7 @@ class TableMirror:
             raw = store._db_for_partition(partition).get(FAUST_OFFSET_KEY)
         except Exception:  # noqa: BLE001 - a file being reopened: not known
             return None
-        return None if raw is None else int(raw)
+        return absent if raw is None else int(raw)
 
 
 def _batch(rows: Iterable[tuple[bytes, bytes | None]]) -> WriteBatch:

@@ -52,7 +52,8 @@ class ViewMarks:
         return through is not None and self._through.get(partition) == through
 
 
-def file_mark(db: Any) -> int | None:
-    """The changelog offset a partition's file holds everything up to, or ``None``."""
+def file_mark(db: Any) -> int:
+    """The changelog offset a partition's file holds everything up to: -1 for a file
+    without Faust's offset record (a new one: every write to a file writes the record)."""
     raw = db.get(FAUST_OFFSET_KEY)
-    return None if raw is None else int(raw)
+    return -1 if raw is None else int(raw)

@@ -31,3 +31,6 @@ def test_kill_9_of_one_of_two_workers_loses_nothing_and_the_survivor_equals_the_
     # and its whole state is what an offline replay of the log gives
     assert trial.takeover_s is not None
     assert trial.live_digest == trial.replay_digest
+    # without reading a partition from its files: its own were in the view as stored, the
+    # victim's as its follower had read them to the changelog's end (stream.worker.view_marks)
+    assert trial.read_from_files == [], trial.read_from_files
