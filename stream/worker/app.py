@@ -245,7 +245,7 @@ def build_worker(
     metrics = Metrics(state, consumer_lag)
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
-    mirror = TableMirror(app, table, state_writes)
+    mirror = TableMirror(app, table, state_writes, marks)
     forget_restore_gates = gate_changelog_restore(
         table, state_writes,
         lambda: AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False,

@@ -42,6 +42,7 @@ from stream.state.store import (
     encode_faust_offset,
     write_effects,
 )
+from stream.worker.view_marks import ViewMarks
 
 __all__ = ["MappingMirror", "Mirror", "StateNotStored", "StateWrites", "TableMirror",
            "closed_partitions", "gate_changelog_restore", "is_storage_error",
@@ -261,10 +262,12 @@ class TableMirror:
     the highest changelog offset written, so recovery reads only what came after.
     """
 
-    def __init__(self, app: faust.App, table: Any, health: StateWrites | None = None) -> None:
+    def __init__(self, app: faust.App, table: Any, health: StateWrites | None = None,
+                 marks: ViewMarks | None = None) -> None:
         self.app = app
         self.table = table
         self.health = health if health is not None else StateWrites()
+        self.marks = marks
         self.changelog = table.changelog_topic.get_topic_name()
         self._pending: dict[int, _PartitionRecords] = {}
 
@@ -313,6 +316,8 @@ class TableMirror:
                 log.warning("changelog partition %d: records of another writer at offsets %d-%d, "
                             "before this batch's; checking that this worker still owns it",
                             partition, after + 1, metadata.offset - 1)
+                if self.marks is not None:
+                    self.marks.distrust(partition)
                 await still_owner()
             reached[partition] = max(metadata.offset + last, reached.get(partition, -1))
         for partition, records in pending.items():

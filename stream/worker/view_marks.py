@@ -30,13 +30,23 @@ class ViewMarks:
 
     def __init__(self) -> None:
         self._through: dict[int, int] = {}
+        self._distrusted: set[int] = set()
 
     def set(self, partition: int, through: int | None) -> None:
         """The view's part of ``partition`` is the fold up to ``through`` (``None``: not known)."""
-        if through is None:
+        if through is None or partition in self._distrusted:
             self._through.pop(partition, None)
         else:
             self._through[partition] = through
+
+    def distrust(self, partition: int) -> None:
+        """Never mark ``partition`` again (in this process): its changelog holds another
+        writer's records between this worker's (a zombie's, resent after its successor's
+        first batch). A reader of the whole changelog may apply some of them, which the
+        view, folded from the event log, holds only once it reaches them: the view's part
+        is then not what a re-read gives, whatever the offsets say."""
+        self._distrusted.add(partition)
+        self._through.pop(partition, None)
 
     def forget(self, partition: int) -> int | None:
         """Drop the mark (the view's part is about to change otherwise); return it."""

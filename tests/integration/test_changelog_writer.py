@@ -26,6 +26,7 @@ from stream.core.cache import Effects
 from stream.kafka.coordinator import LostMembership
 from stream.state.store import APPLIED_KEY, FAUST_OFFSET_KEY, decode_applied, encode_applied
 from stream.worker.table_mirror import TableMirror
+from stream.worker.view_marks import ViewMarks
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,7 @@ def test_the_owner_goes_on_past_a_zombies_records(bootstrap, tmp_path):
     changelog = f"writer-{uuid.uuid4().hex[:10]}-changelog"
     store = _Store(tmp_path)
     asked: list[str] = []
+    marks = ViewMarks()
 
     async def run() -> int:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -115,9 +117,10 @@ def test_the_owner_goes_on_past_a_zombies_records(bootstrap, tmp_path):
         try:
             app = SimpleNamespace(producer=SimpleNamespace(_ensure_producer=lambda: mine))
             table = SimpleNamespace(data=store, changelog_topic=SimpleNamespace(get_topic_name=lambda: changelog))
-            mirror = TableMirror(app, table)  # type: ignore[arg-type]
+            mirror = TableMirror(app, table, marks=marks)  # type: ignore[arg-type]
             mirror.write(0, Effects(), 5)
             assert await mirror.flush()  # offsets 0: the owner's applied record
+            marks.set(0, 0)
             await zombie.send_and_wait(changelog, encode_applied(3), key=APPLIED_KEY, partition=0)
 
             async def owner() -> None:
@@ -138,3 +141,6 @@ def test_the_owner_goes_on_past_a_zombies_records(bootstrap, tmp_path):
             db.close()
     assert asked == ["still the owner"]
     assert (offset, applied) == (2, 6)
+    # a reader of the whole changelog may hold what the view does not: never marked again
+    marks.set(0, offset)
+    assert marks.through(0) is None and not marks.holds(0, offset)

@@ -326,9 +326,13 @@ def test_a_partition_whose_mark_was_forgotten_or_a_view_not_stored_is_read_again
     keeper.marks.forget(2)  # a batch of partition 2 that was not stored
     reload(keeper, tables)
     assert [t.reads for t in tables.values()] == [1, 1, 2]
+    keeper.marks.distrust(0)  # a zombie's records between this worker's: never trusted again
+    reload(keeper, tables)
+    reload(keeper, tables)
+    assert [t.reads for t in tables.values()] == [3, 1, 2]
     keeper._rejected["apply_failed"] = 1  # a fold failed part-way: the view is not its files'
     reload(keeper, tables)
-    assert [t.reads for t in tables.values()] == [2, 2, 3]
+    assert [t.reads for t in tables.values()] == [4, 2, 3]
     assert keeper.state.digest() == fold(scenario).digest()
 
 
