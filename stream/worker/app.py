@@ -6,7 +6,9 @@ pure fold) -> in-memory view for ``/v1/match`` and, entry by entry, the Faust ta
 RocksDB files and compacted changelog (``stream.worker.table_mirror``), from which any worker
 recovers. After every recovery (start, rebalance) the owned partitions are reloaded from
 the table and the others are followed from the changelog (``stream.worker.follower``), both
-through ``stream.state.view_load``, so the view answers for every endpoint throughout;
+through ``stream.state.view_load``, so the view answers for every endpoint throughout
+(a partition the view already holds as its file does is not read again:
+``stream.worker.view_marks``);
 ``stream.worker.readiness`` tells ``/readyz`` and ``/metrics`` how far it lags the log
 (``stream.kafka.log_probe``). Nothing here holds logic of its own.
 """
@@ -246,7 +248,7 @@ def build_worker(
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
     mirror = TableMirror(app, table, state_writes, marks)
-    forget_restore_gates = gate_changelog_restore(
+    gate_changelog_restore(
         table, state_writes,
         lambda: AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False,
                                  auto_offset_reset="earliest", **client))
@@ -320,8 +322,9 @@ def build_worker(
         # two may run at once: they take turns, and one superseded while it waited (for
         # the preload or its turn) leaves the loading to the later one, whose assignment
         # is current. The follower lets go of the partitions now owned before the keeper
-        # loads them (it starts re-reading those it now follows, aside); neither empties
-        # the view.
+        # loads them (it resumes those it now follows after the view's marks, or re-reads
+        # them aside); neither empties the view, and neither reads again what the view
+        # already holds as the files do (stream.worker.view_marks).
         nonlocal preload, recoveries
         recoveries += 1
         this = recoveries
@@ -331,7 +334,6 @@ def build_worker(
         async with reload_turn:
             if this != recoveries:
                 return
-            forget_restore_gates()  # the next recovery starts from the files as they are
             owned = {tp.partition for tp in app.assignor.assigned_actives()
                      if tp.topic == changelog}
             await follower.follow(owned, partitions)

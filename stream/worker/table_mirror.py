@@ -409,12 +409,12 @@ class _PartitionRecords:
 
 def gate_changelog_restore(table: Any, health: StateWrites | None = None,
                            open_consumer: Callable[[], AIOKafkaConsumer] | None = None,
-                           ) -> Callable[[], None]:
+                           ) -> None:
     """Make Faust's restore of the table from its changelog skip events written again
     after later ones (``ChangelogGate``), as the follower does, so that a worker that
     recovers a partition after a zombie owner's resent batch does not load its stale
-    entries. Each partition's gate starts from the applied offset its file holds; the
-    returned function forgets the gates, for the next recovery.
+    entries. Each partition's gate starts from the applied offset its file holds, made
+    anew when a recovery starts.
 
     With ``open_consumer``, each recovery first catches the files that are behind their
     changelog up in bulk (``catch_up``), through gates of the same kind: Faust's restore
@@ -489,15 +489,20 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
 
     store.apply_changelog_batch = apply_changelog_batch
     if open_consumer is None:
-        return gates.clear
+        return
     recovery = table.app.tables.recovery
     build_offsets = recovery._build_offsets
 
     async def caught_up_offsets(consumer: Any, tps: Any, destination: Any, title: str) -> None:
         # Faust's recovery, between the highwaters and the offsets it reads from (run in
         # its own task, outside the rebalance callback: the member's heartbeats go on; a
-        # rebalance meanwhile cancels it, and a catch-up cut short leaves Faust the rest)
+        # rebalance meanwhile cancels it, and a catch-up cut short leaves Faust the rest).
+        # Each recovery's restore starts from the files as they are: the gates are made
+        # anew here, after Faust applied what its buffers held of the one before (never
+        # when the previous recovery's callbacks run: those may run during this restore,
+        # and would drop removals a gate holds back for an event read in part)
         if title == "active":
+            gates.clear()
             changelog, highwaters = table.changelog_topic.get_topic_name(), recovery.active_highwaters
             behind = {}
             for tp in tps:
@@ -589,4 +594,3 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
         return reached
 
     recovery._build_offsets = caught_up_offsets
-    return gates.clear

@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 from rocksdict import Options, Rdict, WriteBatch
 
-from stream.state.store import APPLIED_KEY, encode_applied
+from stream.core.cache import CacheState, Capacity
+from stream.core.events import ItemsPlaced, Position
+from stream.core.items import Item
+from stream.state.store import APPLIED_KEY, decode_applied, effect_records, encode_applied
 from stream.worker.table_mirror import (
     StateWrites,
     TableMirror,
@@ -113,7 +116,10 @@ class _Store:
         self.restored.append(list(batch))
         for event in batch:
             records = WriteBatch(raw_mode=True)
-            records.put(event.message.key, event.message.value)
+            if event.message.value is None:  # as Faust: a removal deletes the key
+                records.delete(event.message.key)
+            else:
+                records.put(event.message.key, event.message.value)
             self._db_for_partition(event.message.partition).write(records)
 
 
@@ -165,4 +171,43 @@ def test_a_restore_the_file_refused_is_gated_again_from_where_it_was(tmp_path: P
     assert store.persisted == 1  # the file's offset: the last record read
     assert not writes.failing and writes.errors_total == 1
     assert db[APPLIED_KEY] == encode_applied(5)
+    db.close()
+
+
+def test_the_restore_gates_are_made_anew_only_when_a_recovery_starts(tmp_path: Path) -> None:
+    """An event read in part keeps its removals held until its applied record, whatever
+    runs between the two restore batches (the previous recovery's callbacks may): nothing
+    is handed out to forget the gates. The next recovery's gates start from the file."""
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    store = _Store(db, refusals=0)
+    built: list[str] = []
+
+    async def build_offsets(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        built.append(title)
+
+    recovery = SimpleNamespace(_build_offsets=build_offsets, active_highwaters={})
+    table = SimpleNamespace(data=store, app=SimpleNamespace(tables=SimpleNamespace(recovery=recovery)),
+                            changelog_topic=SimpleNamespace(get_topic_name=lambda: "c"))
+    assert gate_changelog_restore(table, StateWrites(), lambda: None) is None  # nothing to call
+
+    state = CacheState(Capacity("items", 1))
+    records = [*effect_records(state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0)), 0),
+               *effect_records(state.apply(ItemsPlaced(endpoint="e", items=[Item("b", 1, "image")]), Position(0, 1)), 1)]
+    events = [SimpleNamespace(message=SimpleNamespace(partition=0, key=key, value=value, tp=("c", 0),
+                                                      offset=offset))
+              for offset, (key, value) in enumerate(records)]
+    removal = next(i for i, (_, value) in enumerate(records) if value is None)
+    store.apply_changelog_batch(events[:removal + 1], None, None)  # event 1 read in part
+    assert store.persisted == removal - 1  # the file holds it up to before the held removal
+    store.apply_changelog_batch(events[removal + 1:], None, None)
+    assert db.get(records[removal][0]) is None and db.get(records[removal - 1][0]) is not None
+    assert decode_applied(db[APPLIED_KEY]) == 1
+
+    later = SimpleNamespace(message=SimpleNamespace(partition=0, key=APPLIED_KEY, value=encode_applied(5),
+                                                    tp=("c", 0), offset=len(records)))
+    db[APPLIED_KEY] = encode_applied(7)  # meanwhile the file got event 7 (the bulk catch-up)
+    asyncio.run(recovery._build_offsets(None, [], {}, "active"))  # the next recovery
+    assert built == ["active"]
+    store.apply_changelog_batch([later], None, None)  # event 5, below the file's 7
+    assert store.restored[-1] == []  # dropped by a gate made from the file, not the old one at 1
     db.close()
