@@ -349,8 +349,8 @@ class _BatchDrain:
         if others:
             await self.deliver_messages(others, active)
 
-    async def wait_for_active_partitions(self) -> None:
-        """Wait, up to a second, for the flow to resume and a partition to be active.
+    async def wait_for_active_partitions(self, longest: float = 1.0) -> None:
+        """Wait for the flow to resume, then up to ``longest`` s for a partition to be active.
 
         Faust's ``_wait_next_records`` sleeps a whole second when it finds no active
         partition. At the end of a recovery it resumes the flow a few ms before it resumes
@@ -362,7 +362,7 @@ class _BatchDrain:
         if not consumer.flow_active:
             await consumer.wait(consumer.can_resume_flow)
         loop = asyncio.get_running_loop()
-        until = loop.time() + 1.0
+        until = loop.time() + longest
         while (not consumer._get_active_partitions() and not consumer.should_stop
                and loop.time() < until):
             await asyncio.sleep(IDLE_POLL_S)

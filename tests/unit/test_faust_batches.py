@@ -6,12 +6,14 @@ drain loop itself is tested against the real Faust consumer on the broker in
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from types import SimpleNamespace
 
 import faust
 import pytest
 from faust.tables import TableManager
+from faust.types import TP
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -140,3 +142,30 @@ def test_the_prompt_table_manager_is_fausts_start_less_its_one_second_sleep():
     assert faust_start[0] == "await self.sleep(1.0)"
     assert ours == faust_start[1:] == ["if not self.should_stop:", "await self._update_channels()",
                                        "await self.recovery.start()"]
+
+
+def test_a_drain_waits_for_the_flow_then_polls_for_an_active_partition_not_a_whole_second():
+    """At the end of a recovery Faust resumes the flow a few ms before the partitions, and
+    its fetch sleeps a whole second when none is active: the drain waits for both first."""
+    tp = TP("events", 0)
+
+    async def run() -> None:
+        app = faust.App("test-faust-batches-wait", broker="kafka://127.0.0.1:1",
+                        web_enabled=False, autodiscover=False)
+        consumer = app.consumer  # the real consumer, built on this loop, not started
+        consumer._active_partitions = set()
+        drain = faust_batches._BatchDrain(consumer, {})
+        consumer.stop_flow()  # a rebalance began
+        waiting = asyncio.ensure_future(drain.wait_for_active_partitions(longest=60))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the flow is stopped
+        consumer.resume_flow()
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # no partition is active yet
+        consumer.resume_partitions({tp})
+        await asyncio.wait_for(waiting, 10)  # within a poll, not the 60 s
+        # none ever active: back to Faust's own fetch after ``longest``
+        consumer._active_partitions.clear()
+        await asyncio.wait_for(drain.wait_for_active_partitions(longest=0.05), 10)
+
+    asyncio.run(run())
