@@ -319,7 +319,8 @@ class _BatchDrain:
     async def fetch_once(self) -> None:
         """One fetch: Faust's ``getmany`` checks, then the batches, then the rest."""
         consumer = self.consumer
-        await self.wait_for_active_partitions()
+        if not await self.wait_for_active_partitions():
+            return  # the loop turns, and the stop flags are read again
         records, active = await consumer._wait_next_records(1.0)
         self.generation = self.app.consumer_generation_id
         await consumer.sleep(0)  # as Faust: a fetch loop must release the event loop
@@ -349,23 +350,27 @@ class _BatchDrain:
         if others:
             await self.deliver_messages(others, active)
 
-    async def wait_for_active_partitions(self, longest: float = 1.0) -> None:
-        """Wait for the flow to resume, then up to ``longest`` s for a partition to be active.
+    async def wait_for_active_partitions(self, longest: float = 1.0) -> bool:
+        """Wait for the flow to resume, then up to ``longest`` s for a partition to be
+        active; return whether one is.
 
         Faust's ``_wait_next_records`` sleeps a whole second when it finds no active
         partition. At the end of a recovery it resumes the flow a few ms before it resumes
         the partitions, so a drain waiting on the flow woke in between and slept: a
-        takeover's first batch waited ~1 s after the partitions were ready. Here that
-        second is polled instead, so the fetch starts within ``IDLE_POLL_S`` of them.
+        takeover's first batch waited ~1 s after the partitions were ready. Here the wait
+        is polled instead, so the fetch starts within ``IDLE_POLL_S`` of them, and a turn
+        that found none active skips Faust's fetch (and its sleep) altogether.
         """
         consumer = self.consumer
         if not consumer.flow_active:
             await consumer.wait(consumer.can_resume_flow)
         loop = asyncio.get_running_loop()
         until = loop.time() + longest
-        while (not consumer._get_active_partitions() and not consumer.should_stop
-               and loop.time() < until):
+        while not consumer._get_active_partitions():
+            if consumer.should_stop or loop.time() >= until:
+                return False
             await asyncio.sleep(IDLE_POLL_S)
+        return True
 
     async def give_back(self, batches: Mapping[TP, Sequence[Any]]) -> None:
         """Seek each partition back to the first of its fetched records that no handler

@@ -163,9 +163,9 @@ def test_a_drain_waits_for_the_flow_then_polls_for_an_active_partition_not_a_who
         await asyncio.sleep(0.05)
         assert not waiting.done()  # no partition is active yet
         consumer.resume_partitions({tp})
-        await asyncio.wait_for(waiting, 10)  # within a poll, not the 60 s
-        # none ever active: back to Faust's own fetch after ``longest``
+        assert await asyncio.wait_for(waiting, 10)  # within a poll, not the 60 s
+        # none ever active: the turn ends after ``longest``, without Faust's fetch
         consumer._active_partitions.clear()
-        await asyncio.wait_for(drain.wait_for_active_partitions(longest=0.05), 10)
+        assert not await asyncio.wait_for(drain.wait_for_active_partitions(longest=0.05), 10)
 
     asyncio.run(run())
