@@ -135,7 +135,8 @@ INTERNALS: tuple[Internal, ...] = (
            "a partition file's path (room checks, reopen)"),
     _faust(STORE, "rocksdb_options", "stream.worker.table_mirror", "reopens a partition file as Faust does"),
     _faust(RECOVERY, "_build_offsets", "stream.worker.table_mirror",
-           "wrapped per app: the files behind their changelog caught up in bulk first"),
+           "wrapped per app: the restore gates made anew, the files behind their "
+           "changelog caught up in bulk first"),
     _faust(RECOVERY, "active_highwaters", "stream.worker.table_mirror",
            "each active changelog partition's last offset, built just before"),
     # -- the producer --

@@ -282,7 +282,8 @@ class Takeover:
     live_digest: str
     replay_digest: str
     victim_exit: int | None
-    #: partitions the survivor's last recovery read from its files (``None``: no recovery logged)
+    #: partitions the survivor's last recovery after the kill read from its files (``None``:
+    #: it logged no recovery after the kill)
     read_from_files: list[int] | None = None
 
     @property
@@ -332,6 +333,7 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
     try:
         traffic.start()
         time.sleep(steady_s)
+        logged = Path(survivor.log.name).stat().st_size  # the survivor's log before the kill
         victim.process.send_signal(sig)
         t0 = time.monotonic()
         traffic.stop_placing([survivor.port])
@@ -354,7 +356,7 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
         return Takeover(traffic.placements_sent, len(traffic.acked), found, traffic.matches_sent,
                         traffic.matches_ok, traffic.match_errors, equal, sampler.lag_zero_s,
                         sampler.max_lag, after_kill_s, live, replay, victim_exit,
-                        read_at_last_recovery(Path(survivor.log.name)))
+                        read_at_last_recovery(Path(survivor.log.name), logged))
     finally:
         traffic.stop()
         for s in samplers:
@@ -362,14 +364,16 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
         stop_all(workers)
 
 
-def read_at_last_recovery(log_path: Path) -> list[int] | None:
-    """The partitions a worker's last recovery read from its files, from its log (the
-    keeper's "state loaded" line); ``None`` when it logged none."""
+def read_at_last_recovery(log_path: Path, start: int = 0) -> list[int] | None:
+    """The partitions a worker's last recovery read from its files, from its log from byte
+    ``start`` on (the keeper's "state loaded" line); ``None`` when it logged none there."""
     found = None
-    with open(log_path, errors="replace") as lines:
-        for line in lines:
-            if "state loaded:" in line and "(read from the files: [" in line:
-                found = line.rsplit("[", 1)[1].split("]", 1)[0]
+    with open(log_path, "rb") as raw:
+        raw.seek(start)
+        lines = raw.read().decode(errors="replace").splitlines()
+    for line in lines:
+        if "state loaded:" in line and "(read from the files: [" in line:
+            found = line.rsplit("[", 1)[1].split("]", 1)[0]
     if found is None:
         return None
     return [int(p) for p in found.split(",") if p.strip()]

@@ -4,11 +4,10 @@ Data flow: HTTP writes -> event topic (partitioned by endpoint) -> Faust's consu
 fetched batches (``stream.worker.faust_batches``) -> ``StateKeeper`` (``stream.worker.keeper``: the
 pure fold) -> in-memory view for ``/v1/match`` and, entry by entry, the Faust table's
 RocksDB files and compacted changelog (``stream.worker.table_mirror``), from which any worker
-recovers. After every recovery (start, rebalance) the owned partitions are reloaded from
-the table and the others are followed from the changelog (``stream.worker.follower``), both
-through ``stream.state.view_load``, so the view answers for every endpoint throughout
-(a partition the view already holds as its file does is not read again:
-``stream.worker.view_marks``);
+recovers. After every recovery (start, rebalance) each owned partition the view does not
+already hold as its file does (``stream.worker.view_marks``) is loaded from the table, and
+the others are followed from the changelog (``stream.worker.follower``), both through
+``stream.state.view_load``, so the view answers for every endpoint throughout;
 ``stream.worker.readiness`` tells ``/readyz`` and ``/metrics`` how far it lags the log
 (``stream.kafka.log_probe``). Nothing here holds logic of its own.
 """

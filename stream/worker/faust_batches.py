@@ -367,9 +367,11 @@ class _BatchDrain:
         loop = asyncio.get_running_loop()
         until = loop.time() + longest
         while not consumer._get_active_partitions():
-            if consumer.should_stop or loop.time() >= until:
-                return False
+            # a poll before every answer: a stopping or crashed consumer must not make the
+            # drain loop call again without the event loop ever turning
             await asyncio.sleep(IDLE_POLL_S)
+            if consumer.should_stop or loop.time() >= until:
+                return bool(consumer._get_active_partitions())
         return True
 
     async def give_back(self, batches: Mapping[TP, Sequence[Any]]) -> None:

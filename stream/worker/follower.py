@@ -2,7 +2,9 @@
 all endpoints: their changes are read from the table's changelog (no consumer group)
 and mirrored into the view.
 
-A partition this worker starts to follow (at start, after a rebalance, or when its
+A partition this worker gives up after a rebalance, and holds in its view up to a known
+changelog offset (``stream.worker.view_marks``: its last stored batch), is followed on from
+the next record. Any other it starts to follow (at start, after a rebalance, or when its
 position is out of range) is re-read from the changelog's first record into a store of
 its own, aside, while the view keeps answering from what it held; once the re-read has
 reached the changelog's end, the partition is loaded into the view in one pass

@@ -340,7 +340,8 @@ def test_a_follower_of_the_changelog_and_a_re_read_equal_live(drawn, data):
 def test_a_partition_given_up_is_followed_on_from_the_owners_last_stored_batch(drawn, data):
     """An owner that gives its partitions up follows them on from its view's marks (the
     changelog offset of its last stored batch), not re-reading them, and ends equal to
-    live; a partition without a mark is re-read."""
+    live; one it wrote nothing of has no mark and is not resumed (``follow`` re-reads it:
+    here its whole changelog is taken into the empty part of the view instead)."""
     _, log = drawn
     state, changelog = live(log)
     stop = data.draw(st.integers(0, len(log)))

@@ -155,6 +155,7 @@ def test_a_drain_waits_for_the_flow_then_polls_for_an_active_partition_not_a_who
         consumer = app.consumer  # the real consumer, built on this loop, not started
         consumer._active_partitions = set()
         drain = faust_batches._BatchDrain(consumer, {})
+        drain_wait = drain.wait_for_active_partitions
         consumer.stop_flow()  # a rebalance began
         waiting = asyncio.ensure_future(drain.wait_for_active_partitions(longest=60))
         await asyncio.sleep(0.05)
@@ -167,5 +168,24 @@ def test_a_drain_waits_for_the_flow_then_polls_for_an_active_partition_not_a_who
         # none ever active: the turn ends after ``longest``, without Faust's fetch
         consumer._active_partitions.clear()
         assert not await asyncio.wait_for(drain.wait_for_active_partitions(longest=0.05), 10)
+        fetched: list[float] = []
+
+        async def wait_next_records(timeout: float) -> tuple[None, None]:
+            fetched.append(timeout)
+            return None, None
+
+        consumer._wait_next_records = wait_next_records
+        drain.wait_for_active_partitions = lambda: drain_wait(longest=0.05)
+        await asyncio.wait_for(drain.fetch_once(), 10)
+        assert fetched == []  # skipped: Faust's would have slept its second
+        consumer.resume_partitions({tp})
+        await asyncio.wait_for(drain.fetch_once(), 10)
+        assert fetched == [1.0]
+        # a crashed consumer (stopping, not stopped yet): the wait returns, after a turn
+        consumer._active_partitions.clear()
+        consumer._crashed.set()
+        turns = asyncio.ensure_future(asyncio.sleep(0))
+        assert not await drain_wait(longest=60)  # awaited directly: only its own poll turns
+        assert turns.done()
 
     asyncio.run(run())

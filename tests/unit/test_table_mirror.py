@@ -188,7 +188,7 @@ def test_the_restore_gates_are_made_anew_only_when_a_recovery_starts(tmp_path: P
     recovery = SimpleNamespace(_build_offsets=build_offsets, active_highwaters={})
     table = SimpleNamespace(data=store, app=SimpleNamespace(tables=SimpleNamespace(recovery=recovery)),
                             changelog_topic=SimpleNamespace(get_topic_name=lambda: "c"))
-    assert gate_changelog_restore(table, StateWrites(), lambda: None) is None  # nothing to call
+    gate_changelog_restore(table, StateWrites(), lambda: None)
 
     state = CacheState(Capacity("items", 1))
     records = [*effect_records(state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0)), 0),
