@@ -15,8 +15,13 @@ from stream.kafka.embedded import EmbeddedBroker
 pytestmark = pytest.mark.integration
 
 
-def listener(port: int = 0) -> socket.socket:
+def listener(port: int = 0, *, as_the_broker: bool = False) -> socket.socket:
+    """A socket listening on ``port``; ``as_the_broker``: bound as Tansu binds, with
+    SO_REUSEADDR, which a port left in TIME_WAIT by another test's closed connection
+    allows (a plain bind refused one in a fresh-clone run, 4 test workers beside)."""
     sock = socket.socket()
+    if as_the_broker:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen()
     return sock
@@ -86,4 +91,4 @@ def test_a_picked_port_is_below_the_ephemeral_range_and_free():
     ports = {embedded.free_port() for _ in range(20)}
     assert all(1024 <= port < low for port in ports), sorted(ports)
     for port in ports:
-        listener(port).close()  # each one free to bind
+        listener(port, as_the_broker=True).close()  # each one free to bind as Tansu binds
