@@ -244,10 +244,11 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                     busy[kind].append(share)
                 direct.append(redis_benchmark_rate(redis_server, lookups, seconds, LOAD_CORE))
             peak = statistics.median(rates["inverted"])
-            p50, p99, achieved = wrk_paced_latency(service.url, bodies, peak / 2, latency_seconds)
-            # the same paced load on the bare aiohttp handler: the stack the service left
-            bare_p50, bare_p99, _ = wrk_paced_latency(servers["control"].url, bodies, peak / 2,
-                                                      latency_seconds)
+            paced: dict[str, list[tuple[float, float, float]]] = {"service": [], "control": []}
+            for _ in range(runs):  # alternated with the same paced load on the bare aiohttp handler
+                paced["service"].append(wrk_paced_latency(service.url, bodies, peak / 2, latency_seconds))
+                paced["control"].append(wrk_paced_latency(servers["control"].url, bodies, peak / 2,
+                                                          latency_seconds))
         finally:
             for server in servers.values():
                 server.stop()
@@ -257,6 +258,13 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                                               "redis-python"))
     redis_direct, redis_busy, load_busy = (statistics.median(column) for column in zip(*direct, strict=True))
     used = {kind: f"{100 * statistics.median(shares):.0f}%" for kind, shares in busy.items()}
+    (p50s, p99s, achieved), (bare_p50s, bare_p99s, _) = (
+        [sorted(column) for column in zip(*paced[kind], strict=True)] for kind in ("service", "control"))
+    p50, p99, bare_p50, bare_p99 = (statistics.median(c) for c in (p50s, p99s, bare_p50s, bare_p99s))
+
+    def spread(service: list[float], control: list[float]) -> str:
+        return (f"{len(service)} alternated runs of {latency_seconds} s, service {service[0]:.3f}-"
+                f"{service[-1]:.3f} ms, control {control[0]:.3f}-{control[-1]:.3f} ms")
     return [
         Figure("match_throughput_vs_bare_handler", round(service_rate), "req/s",
                ">= 0.75 x the bare orjson handler on the same server", service_rate / stack >= 0.75,
@@ -294,13 +302,14 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                "reported", True, round(redis_python), round(service_rate / redis_python, 3),
                "control: the same, with redis-py parsing Redis's answers in Python (hiredis "
                f"hidden from it), as this control was measured before; busy: {used['redis-python']}"),
-        Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "p50 <= 1.3 x the control's",
-               p50 / bare_p50 <= 1.3, round(bare_p50, 3), round(p50 / bare_p50, 3),
-               f"paced at {achieved:.0f} req/s (half of the {peak:.0f} peak); control: the bare "
-               "aiohttp handler under the same paced load"),
-        Figure("match_latency_p99_at_half_peak", round(p99, 3), "ms", "p99 <= 1.5 x the control's",
-               p99 / bare_p99 <= 1.5, round(bare_p99, 3), round(p99 / bare_p99, 3),
-               f"paced at {achieved:.0f} req/s; control: the bare aiohttp handler, same load"),
+        Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "p50 <= the control's",
+               round(p50 / bare_p50, 3) <= 1, round(bare_p50, 3), round(p50 / bare_p50, 3),
+               f"paced at {statistics.median(achieved):.0f} req/s (half of the {peak:.0f} peak); "
+               f"control: the bare aiohttp handler under the same paced load; {spread(p50s, bare_p50s)}"),
+        Figure("match_latency_p99_at_half_peak", round(p99, 3), "ms", "p99 <= the control's",
+               round(p99 / bare_p99, 3) <= 1, round(bare_p99, 3), round(p99 / bare_p99, 3),
+               f"paced at {statistics.median(achieved):.0f} req/s; control: the bare aiohttp handler, "
+               f"same load; {spread(p99s, bare_p99s)}"),
         *cost_figures(state, requests),
     ]
 

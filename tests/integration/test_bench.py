@@ -68,7 +68,7 @@ def test_match_scenario_measures_service_control_and_reference(bootstrap, tmp_pa
     p50, p99 = by_name["match_latency_p50_at_half_peak"], by_name["match_latency_p99_at_half_peak"]
     assert p99.value >= p50.value
     assert 0 < p50.control <= p99.control  # the bare handler under the same paced load
-    assert p50.passed == (p50.ratio <= 1.3) and p99.passed == (p99.ratio <= 1.5)
+    assert p50.passed == (p50.ratio <= 1) and p99.passed == (p99.ratio <= 1)  # no higher than bare aiohttp's
     direct, backed = by_name["match_throughput_vs_redis_direct"], by_name["match_throughput_vs_redis_backed_http"]
     assert direct.control > 0 and direct.passed == (direct.ratio >= 0.15)
     assert backed.control > 0 and backed.passed == (backed.ratio >= 3)
