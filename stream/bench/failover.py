@@ -9,7 +9,9 @@ One trial, in order:
    so the log is final;
 4. ``mmcache rebuild`` of the log into a new dir, under a fresh app id, prints the
    replay's digest; meanwhile A's ``GET /v1/state?limit=0`` digest is sampled;
-5. the takeover time is t0 to the first sample equal to the replay's digest.
+5. the takeover time is t0 to the first sample equal to the replay's digest; A's log
+   says where it went (``takeover_phases``): when the group's rebalance reached A, when
+   its recovery for the new assignment began, and when its view was whole again.
 
 Counts, not times, are what the integration test asserts: placements acknowledged with
 202 vs found on their endpoint through A, matches answered vs failed during the whole
@@ -35,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,17 @@ import orjson
 from stream.bench.figures import Figure, render_table
 from stream.bench.service import Worker
 
-__all__ = ["Client", "Takeover", "failover_figures", "rebuild_digest", "takeover_trial",
-           "wait_digest"]
+__all__ = ["PHASES", "Client", "Takeover", "failover_figures", "phases_note", "rebuild_digest",
+           "takeover_phases", "takeover_trial", "wait_digest"]
+
+#: The steps of a takeover as a survivor logs them, in order, each with its line's text:
+#: the group's rebalance reached it (aiokafka: a heartbeat refused), its recovery for the
+#: new assignment began (``stream.worker.table_mirror``), its view was whole again
+#: (``stream.worker.keeper``). The first is the broker's failure detection, the second
+#: its join; from the second on the time is mmcache's.
+PHASES = (("noticed", "because it is rebalancing"),
+          ("assigned", "recovery after a rebalance:"),
+          ("loaded", "state loaded:"))
 
 ENDPOINTS = [f"failover/pod-{i:02d}" for i in range(64)]
 
@@ -285,6 +297,8 @@ class Takeover:
     #: partitions the survivor's last recovery after the kill read from its files (``None``:
     #: it logged no recovery after the kill)
     read_from_files: list[int] | None = None
+    #: seconds from the kill to each step of ``PHASES`` the survivor logged
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def floored(self) -> bool:
@@ -335,7 +349,7 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
         time.sleep(steady_s)
         logged = Path(survivor.log.name).stat().st_size  # the survivor's log before the kill
         victim.process.send_signal(sig)
-        t0 = time.monotonic()
+        t0, killed_at = time.monotonic(), time.time()
         traffic.stop_placing([survivor.port])
         sampler = DigestSampler(survivor.port, t0)
         samplers.append(sampler)
@@ -356,7 +370,8 @@ def takeover_trial(bootstrap: str, root: Path, steady_s: float = 2.0,
         return Takeover(traffic.placements_sent, len(traffic.acked), found, traffic.matches_sent,
                         traffic.matches_ok, traffic.match_errors, equal, sampler.lag_zero_s,
                         sampler.max_lag, after_kill_s, live, replay, victim_exit,
-                        read_at_last_recovery(Path(survivor.log.name), logged))
+                        read_at_last_recovery(Path(survivor.log.name), logged),
+                        takeover_phases(Path(survivor.log.name), logged, killed_at))
     finally:
         traffic.stop()
         for s in samplers:
@@ -377,6 +392,44 @@ def read_at_last_recovery(log_path: Path, start: int = 0) -> list[int] | None:
     if found is None:
         return None
     return [int(p) for p in found.split(",") if p.strip()]
+
+
+def takeover_phases(log_path: Path, start: int, killed_at: float) -> dict[str, float]:
+    """Seconds from the kill (``killed_at``, wall clock) to each step of ``PHASES`` in a
+    survivor's log from byte ``start`` on: each step's first line after the kill and after
+    the steps before it; a step not logged is left out."""
+    with open(log_path, "rb") as raw:
+        raw.seek(start)
+        lines = raw.read().decode(errors="replace").splitlines()
+    found, at_line = {}, 0
+    for name, text in PHASES:
+        for index in range(at_line, len(lines)):
+            line = lines[index]
+            if text not in line:
+                continue
+            try:  # logging's default time: local, to the millisecond
+                at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            except ValueError:
+                continue
+            if at >= killed_at:
+                found[name], at_line = at - killed_at, index + 1
+                break
+    return found
+
+
+def phases_note(trials: list[dict[str, float]], equal: list[float]) -> str:
+    """Where the takeovers' time went, medians over ``trials`` (``takeover_phases`` of each)
+    of the steps every trial logged, then replay-equal (``equal``)."""
+    said = []
+    for (name, _), words in zip(PHASES, ("the rebalance reached the survivor", "its recovery began",
+                                         "its view was whole"), strict=True):
+        times = [trial[name] for trial in trials if name in trial]
+        if len(times) < len(trials) or not times:
+            continue  # not logged in every trial: a median of some would mislead
+        said.append(f"{words} at {statistics.median(times):.2f} s ({min(times):.2f}-{max(times):.2f})")
+    if equal:
+        said.append(f"replay-equal at {statistics.median(equal):.2f} s")
+    return "after the kill: " + ", ".join(said) if said else "no phases logged"
 
 
 def spread(values: list[float]) -> str:
@@ -401,7 +454,8 @@ def failover_figures(bootstrap: str, runs: int,
     equal = sum(t.live_digest == t.replay_digest for t in trials)
     note = (f"2 workers, {how} of one under ~100 placements/s and ~100 matches/s; "
             f"{spread(times) if times else 'never equal'}; acked placements lost {lost}, "
-            f"match errors {errors}, live == replay in {equal}/{runs}"
+            f"match errors {errors}, live == replay in {equal}/{runs}; "
+            f"{phases_note([t.phases for t in trials], times)}"
             + ("; some runs at the after-kill floor" if any(t.floored for t in trials) else ""))
     figures = [Figure(f"failover_takeover_kill_to_replay_equal{suffix}",
                       round(statistics.median(times), 2) if times else -1.0, "s",

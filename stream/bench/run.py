@@ -52,14 +52,15 @@ def _ingest(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
 
     # a test's run (``scale``) fills the topic for a slow worker only: its figures are whole,
     # not a measure
-    return ingest_figures(bootstrap, _sized(60, 4 if quick else 0, scale),
+    return ingest_figures(bootstrap, _sized(60, 4 if quick else 0, scale), 1 if quick or scale else 3,
                           headroom_events_per_s=10_000 if scale else INGEST_HEADROOM_EVENTS_PER_S)
 
 
 def _restart(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import restart_and_footprint
 
-    return restart_and_footprint(bootstrap, _sized(600_000, 60_000 if quick else 0, scale))
+    return restart_and_footprint(bootstrap, _sized(600_000, 60_000 if quick else 0, scale),
+                                 1 if quick or scale else 5)
 
 
 def _state_poll(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:

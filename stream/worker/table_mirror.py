@@ -504,6 +504,8 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
         if title == "active":
             gates.clear()
             changelog, highwaters = table.changelog_topic.get_topic_name(), recovery.active_highwaters
+            log.info("recovery after a rebalance: changelog partitions %s",  # the assignment came
+                     sorted(tp.partition for tp in tps if tp.topic == changelog))
             behind = {}
             for tp in tps:
                 if tp.topic == changelog and tp.partition in store._dbs:
