@@ -43,20 +43,21 @@ from typing import Any
 
 import orjson
 
-from stream.bench.figures import Figure, render_table
+from stream.bench.figures import Figure, render_table, span
 from stream.bench.service import Worker
 
 __all__ = ["PHASES", "Client", "Takeover", "failover_figures", "phases_note", "rebuild_digest",
            "takeover_phases", "takeover_trial", "wait_digest"]
 
-#: The steps of a takeover as a survivor logs them, in order, each with its line's text:
-#: the group's rebalance reached it (aiokafka: a heartbeat refused), its recovery for the
-#: new assignment began (``stream.worker.table_mirror``), its view was whole again
-#: (``stream.worker.keeper``). The first is the broker's failure detection, the second
-#: its join; from the second on the time is mmcache's.
-PHASES = (("noticed", "because it is rebalancing"),
-          ("assigned", "recovery after a rebalance:"),
-          ("loaded", "state loaded:"))
+#: The steps of a takeover as a survivor logs them: each step's name, its line's text, and
+#: what it says. The rebalance reached the survivor (aiokafka: a heartbeat refused), its
+#: recovery for the new assignment began (``stream.worker.table_mirror``, once Faust asked
+#: the broker for the changelog's ends), its view was whole again (``stream.worker.keeper``).
+#: Until the first it is the broker's failure detection, then its join; from the second on
+#: the time is mmcache's.
+PHASES = (("noticed", "because it is rebalancing", "the rebalance reached the survivor"),
+          ("assigned", "recovery after a rebalance:", "its recovery began"),
+          ("loaded", "state loaded:", "its view was whole"))
 
 ENDPOINTS = [f"failover/pod-{i:02d}" for i in range(64)]
 
@@ -395,41 +396,36 @@ def read_at_last_recovery(log_path: Path, start: int = 0) -> list[int] | None:
 
 
 def takeover_phases(log_path: Path, start: int, killed_at: float) -> dict[str, float]:
-    """Seconds from the kill (``killed_at``, wall clock) to each step of ``PHASES`` in a
-    survivor's log from byte ``start`` on: each step's first line after the kill and after
-    the steps before it; a step not logged is left out."""
+    """Seconds from the kill (``killed_at``, wall clock) to each step of ``PHASES``: its
+    first line after the kill in a survivor's log from byte ``start`` on (the view whole:
+    after its recovery began). A step not logged is left out (aiokafka's warning is one
+    ``stream.logs.RepeatFilter`` may hold back when the same came less than 5 s before)."""
     with open(log_path, "rb") as raw:
         raw.seek(start)
         lines = raw.read().decode(errors="replace").splitlines()
-    found, at_line = {}, 0
-    for name, text in PHASES:
-        for index in range(at_line, len(lines)):
-            line = lines[index]
-            if text not in line:
-                continue
-            try:  # logging's default time: local, to the millisecond
-                at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            except ValueError:
-                continue
-            if at >= killed_at:
-                found[name], at_line = at - killed_at, index + 1
-                break
+    found: dict[str, float] = {}
+    for line in lines:
+        step = next((name for name, text, _ in PHASES if name not in found and text in line), None)
+        if step is None or (step == "loaded" and "assigned" not in found):
+            continue  # an earlier recovery's view, not the takeover's
+        try:  # logging's default time: local, to the millisecond
+            at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if at >= killed_at:
+            found[step] = at - killed_at
     return found
 
 
-def phases_note(trials: list[dict[str, float]], equal: list[float]) -> str:
-    """Where the takeovers' time went, medians over ``trials`` (``takeover_phases`` of each)
-    of the steps every trial logged, then replay-equal (``equal``)."""
+def phases_note(trials: list[dict[str, float]]) -> str:
+    """Where the takeovers' time went: for each step of ``PHASES`` that every one of
+    ``trials`` (``takeover_phases`` of each) logged, the median and the spread."""
     said = []
-    for (name, _), words in zip(PHASES, ("the rebalance reached the survivor", "its recovery began",
-                                         "its view was whole"), strict=True):
+    for name, _, words in PHASES:
         times = [trial[name] for trial in trials if name in trial]
-        if len(times) < len(trials) or not times:
-            continue  # not logged in every trial: a median of some would mislead
-        said.append(f"{words} at {statistics.median(times):.2f} s ({min(times):.2f}-{max(times):.2f})")
-    if equal:
-        said.append(f"replay-equal at {statistics.median(equal):.2f} s")
-    return "after the kill: " + ", ".join(said) if said else "no phases logged"
+        if times and len(times) == len(trials):  # the median of some trials would mislead
+            said.append(f"{words} at {statistics.median(times):.2f} s ({span(times, 2)})")
+    return "after the kill: " + ", ".join(said) if said else "no step of the takeover logged"
 
 
 def spread(values: list[float]) -> str:
@@ -455,7 +451,7 @@ def failover_figures(bootstrap: str, runs: int,
     note = (f"2 workers, {how} of one under ~100 placements/s and ~100 matches/s; "
             f"{spread(times) if times else 'never equal'}; acked placements lost {lost}, "
             f"match errors {errors}, live == replay in {equal}/{runs}; "
-            f"{phases_note([t.phases for t in trials], times)}"
+            f"{phases_note([t.phases for t in trials])}"
             + ("; some runs at the after-kill floor" if any(t.floored for t in trials) else ""))
     figures = [Figure(f"failover_takeover_kill_to_replay_equal{suffix}",
                       round(statistics.median(times), 2) if times else -1.0, "s",

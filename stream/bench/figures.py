@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["LEGEND", "Figure", "median_of", "render_table"]
+__all__ = ["LEGEND", "Figure", "median_of", "render_table", "span"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ class Figure:
 def median_of(runs: int, measure: Callable[[], float]) -> float:
     """Median of ``runs`` measurements (shared machines drift; medians are quoted)."""
     return statistics.median(measure() for _ in range(runs))
+
+
+def span(values: Sequence[float], digits: int = 0) -> str:
+    """The spread of some runs' values, as every note writes it: ``min-max``."""
+    return f"{min(values):,.{digits}f}-{max(values):,.{digits}f}"
 
 
 LEGEND = (

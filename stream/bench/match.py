@@ -31,7 +31,7 @@ from aiohttp import web
 from stream import event_loop
 from stream.bench import stacks
 from stream.bench.costs import cost_figures
-from stream.bench.figures import Figure
+from stream.bench.figures import Figure, span
 from stream.bench.redis_control import (
     LOOKUPS_PER_REQUEST,
     DirectRate,
@@ -245,10 +245,10 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                 direct.append(redis_benchmark_rate(redis_server, lookups, seconds, LOAD_CORE))
             peak = statistics.median(rates["inverted"])
             paced: dict[str, list[tuple[float, float, float]]] = {"service": [], "control": []}
-            for _ in range(runs):  # alternated with the same paced load on the bare aiohttp handler
-                paced["service"].append(wrk_paced_latency(service.url, bodies, peak / 2, latency_seconds))
-                paced["control"].append(wrk_paced_latency(servers["control"].url, bodies, peak / 2,
-                                                          latency_seconds))
+            for run in range(runs):  # the same paced load on the bare aiohttp handler, in turn
+                turn = {"service": service.url, "control": servers["control"].url}
+                for who in sorted(turn, reverse=run % 2 == 1):  # each first in every other run
+                    paced[who].append(wrk_paced_latency(turn[who], bodies, peak / 2, latency_seconds))
         finally:
             for server in servers.values():
                 server.stop()
@@ -263,16 +263,12 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
     p50, p99, bare_p50, bare_p99 = (statistics.median(c) for c in (p50s, p99s, bare_p50s, bare_p99s))
 
     def spread(service: list[float], control: list[float]) -> str:
-        return (f"{len(service)} alternated runs of {latency_seconds} s, service {service[0]:.3f}-"
-                f"{service[-1]:.3f} ms, control {control[0]:.3f}-{control[-1]:.3f} ms")
+        return (f"{len(service)} alternated runs of {latency_seconds} s, service "
+                f"{span(service, 3)} ms, control {span(control, 3)} ms")
 
-    def rates_spread(kind: str) -> str:  # each figure's runs, beside the service's
-        runs = {"service": rates["inverted"], "control": rates[kind]}
-        return f"{len(rates[kind])} alternated runs of {seconds} s, " + ", ".join(
-            f"{who} {min(values):,.0f}-{max(values):,.0f}" for who, values in runs.items())
-    direct_spread = (f"{len(direct)} runs, service {min(rates['inverted']):,.0f}-"
-                     f"{max(rates['inverted']):,.0f}, control {min(d[0] for d in direct):,.0f}-"
-                     f"{max(d[0] for d in direct):,.0f}")
+    def rates_spread(control: list[float]) -> str:  # a control's runs, beside the service's
+        return (f"{len(control)} alternated runs of {seconds} s, service {span(rates['inverted'])}, "
+                f"control {span(control)}")
     return [
         Figure("match_throughput_vs_bare_handler", round(service_rate), "req/s",
                ">= 0.75 x the bare orjson handler on the same server", service_rate / stack >= 0.75,
@@ -281,18 +277,18 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                "a route that only orjson.loads the body and answers the service's answer, on "
                f"stream.http.server; server core busy: service {used['inverted']}, control "
                f"{used['stack']} (under 100%: the machine was shared, the rates are low by as much); "
-               f"{rates_spread('stack')}"),
+               f"{rates_spread(rates['stack'])}"),
         Figure("match_throughput_vs_bare_aiohttp", round(service_rate), "req/s",
                ">= 13,000 req/s", service_rate >= 13_000, round(control), round(service_rate / control, 3),
                "control: the same bare handler on aiohttp (AppRunner + TCPSite, uvloop), the "
                f"stack the service ran on before; server core busy: {used['control']}; "
-               f"{rates_spread('control')}"),
+               f"{rates_spread(rates['control'])}"),
         Figure("match_throughput_vs_reference_lookup", round(service_rate), "req/s",
                ">= 1.8 x the per-endpoint-map lookup", service_rate / reference >= 1.8,
                round(reference), round(service_rate / reference, 3),
                "control: the service with the reference plugin's lookup (each candidate's LRU asked "
                "for each item); that lookup (stream.bench.match.ReferenceState) is not compiled, "
-               f"the service's index walk is; {rates_spread('reference')}"),
+               f"the service's index walk is; {rates_spread(rates['reference'])}"),
         Figure("match_throughput_vs_redis_direct", round(service_rate), "req/s",
                ">= 0.15 x Redis asked directly", service_rate / redis_direct >= 0.15,
                round(redis_direct), round(service_rate / redis_direct, 3),
@@ -300,19 +296,19 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
                f"pipelines of {LOOKUPS_PER_REQUEST} SMEMBERS per second (redis-benchmark -P "
                f"{LOOKUPS_PER_REQUEST} -c32, keys drawn from the bodies' items) on the same index "
                f"as one set per hash; busy: Redis {100 * redis_busy:.0f}% of its core, "
-               f"redis-benchmark {100 * load_busy:.0f}% of its own; {direct_spread}"),
+               f"redis-benchmark {100 * load_busy:.0f}% of its own; {rates_spread([d[0] for d in direct])}"),
         Figure("match_throughput_vs_redis_backed_http", round(service_rate), "req/s",
                ">= 3 x the bare handler over Redis", service_rate / redis_http >= 3,
                round(redis_http), round(service_rate / redis_http, 3),
                "control: the bare handler on the service's own server, reading the body as the "
                f"service does, one pipeline of {LOOKUPS_PER_REQUEST} SMEMBERS (redis.asyncio, "
                "answers parsed by hiredis) per request, same answer; Redis on the server core "
-               f"too; server core busy: {used['redis']}; {rates_spread('redis')}"),
+               f"too; server core busy: {used['redis']}; {rates_spread(rates['redis'])}"),
         Figure("match_throughput_vs_redis_backed_http_python_parser", round(service_rate), "req/s",
                "reported", True, round(redis_python), round(service_rate / redis_python, 3),
                "control: the same, with redis-py parsing Redis's answers in Python (hiredis "
                f"hidden from it), as this control was measured before; busy: {used['redis-python']}; "
-               f"{rates_spread('redis-python')}"),
+               f"{rates_spread(rates['redis-python'])}"),
         Figure("match_latency_p50_at_half_peak", round(p50, 3), "ms", "p50 <= the control's",
                round(p50 / bare_p50, 3) <= 1, round(bare_p50, 3), round(p50 / bare_p50, 3),
                f"paced at {statistics.median(achieved):.0f} req/s (half of the {peak:.0f} peak); "

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from stream.bench.figures import Figure
+from stream.bench.figures import Figure, span
 from stream.bench.workload import Workload
 from stream.config import KafkaSecurity, Settings
 from stream.core.codec import encode_event
@@ -84,10 +84,9 @@ def replay_figures(bootstrap: str, events: int, runs: int) -> list[Figure]:
                ">= 250000 events/s and >= 0.6 x raw aiokafka consume",
                rate >= 250_000 and rate / control >= 0.6, round(control), round(rate / control, 3),
                f"{events} events, 8 partitions, default capacity, wall time incl. RocksDB writes; "
-               f"{runs} runs, replay {events / max(walls):,.0f}-{events / min(walls):,.0f}, raw consume "
-               f"{controls[0]:,.0f}-{controls[-1]:,.0f}"),
+               f"{runs} runs, replay {span([events / taken for taken in walls])}, raw consume "
+               f"{span(controls)}"),
         Figure("rebuild_wall_time_per_1m_events", round(wall * 1_000_000 / events, 2), "s",
                "<= 10 s (>= 100000 events/s)", rate >= 100_000,
-               note=f"{runs} runs, {min(walls) * 1_000_000 / events:.2f}-"
-                    f"{max(walls) * 1_000_000 / events:.2f} s"),
+               note=f"{runs} runs, {span([taken * 1_000_000 / events for taken in walls], 2)} s"),
     ]

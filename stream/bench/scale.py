@@ -128,7 +128,7 @@ def scale_figures(bootstrap: str, events: int = 600_000, cycles: int = 2, rate: 
             _held_bodies(bodies, events)
             latency = [wrk_paced_latency(f"http://127.0.0.1:{w.port}/v1/match", bodies, rate,
                                          seconds) for w in workers]
-            takeovers, phases, lost, errors, answered, equal = [], [], 0, 0, 0, 0
+            takeovers, phases, cycles_taken, lost, errors, answered, equal = [], [], [], 0, 0, 0, 0
             for cycle in range(cycles):
                 taken, counts, steps = _takeover(bootstrap, topic, root / f"replay-{cycle}",
                                                  workers, after_kill_s)
@@ -136,6 +136,7 @@ def scale_figures(bootstrap: str, events: int = 600_000, cycles: int = 2, rate: 
                 phases.append(steps)
                 if taken is not None:
                     takeovers.append(taken)
+                    cycles_taken.append((taken, steps))
                 lost += counts["acked"] * 2 - counts["found"]
                 errors += counts["errors"]
                 answered += counts["answered"]
@@ -173,13 +174,14 @@ def scale_figures(bootstrap: str, events: int = 600_000, cycles: int = 2, rate: 
                           note=(spread(takeovers) if takeovers else "never equal")
                           + f"; both survivors; matches answered {answered}, errors {errors}, "
                           f"acknowledged placements missing {lost}; "
-                          + phases_note(phases, takeovers) + " (the later survivor's, each cycle)"))
-    ours = [t - p["assigned"] for t, p in zip(takeovers, phases, strict=False) if "assigned" in p]
-    if len(ours) == len(phases) == len(takeovers):
+                          + phases_note(phases) + " (the later survivor's, each cycle)"))
+    ours = [taken - steps["assigned"] for taken, steps in cycles_taken if "assigned" in steps]
+    if ours and len(ours) == cycles:
         figures.append(Figure("scale3_takeover_assigned_to_replay_equal", round(statistics.median(ours), 2),
-                              "s", "reported: the takeover less the broker's failure detection and "
-                              "join", True, note=f"{spread(ours)}; from the survivors' recovery "
-                              "for the new assignment to both digests equal to the replay"))
+                              "s", "reported: the takeover less the broker's failure detection, "
+                              "its join and Faust's ask for the changelog's ends", True,
+                              note=f"{spread(ours)}; from the start of the survivors' recovery of "
+                              "the new assignment to both digests equal to the replay"))
     for i, (p50, p99, achieved) in enumerate(latency):
         figures.append(Figure(f"scale3_match_latency_w{i}_p50", round(p50, 3), "ms", "reported",
                               True, note=f"p99 {p99:.3f} ms at {achieved:.0f} req/s paced, "
@@ -221,7 +223,7 @@ def _takeover(bootstrap: str, topic: str, replay_dir: Path, workers: list[Worker
             sampler.stop()
     taken = None if None in times else max(t for t in times if t is not None)
     steps = [takeover_phases(path, start, killed_at) for path, start in zip(logs, logged, strict=True)]
-    later = {name: max(step[name] for step in steps) for name, _ in PHASES
+    later = {name: max(step[name] for step in steps) for name, _, _ in PHASES
              if all(name in step for step in steps)}
     return taken, {"acked": len(traffic.acked), "found": found,
                    "answered": traffic.matches_ok, "errors": len(traffic.match_errors),

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from stream.bench.figures import Figure
+from stream.bench.figures import Figure, span
 from stream.bench.replay import produce_placements, raw_consume_rate
 from stream.bench.workload import Workload
 from stream.config import Settings
@@ -134,8 +134,7 @@ def ingest_figures(bootstrap: str, seconds: int, runs: int = 1,
         naives.append(naive_agent_rate(bootstrap, topic, min(seconds, 10)))
     rate, control, naive = (statistics.median(values) for values in (rates, controls, naives))
     items, naive_items = rate * items_per_event, naive * items_per_event
-    runs_said = (f"{runs} runs, worker {min(rates):,.0f}-{max(rates):,.0f} events/s, raw consume "
-                 f"{min(controls):,.0f}-{max(controls):,.0f}")
+    runs_said = f"{runs} runs, worker {span(rates)} events/s, raw consume {span(controls)}"
     return [Figure("ingest_events_per_s", round(rate), "events/s",
                    ">= 50000 events/s and >= 0.2 x raw aiokafka consume (records/s)",
                    rate >= 50_000 and rate / control >= 0.2, round(control),
@@ -146,7 +145,7 @@ def ingest_figures(bootstrap: str, seconds: int, runs: int = 1,
                    ">= 10 x a naive Faust agent (one table write per item)", items >= 10 * naive_items,
                    round(naive_items), round(items / naive_items, 3),
                    f"control: stream.bench.naive_agent on the same records; {runs} runs, naive "
-                   f"{min(naives) * items_per_event:,.0f}-{max(naives) * items_per_event:,.0f} items/s")]
+                   f"{span([naive * items_per_event for naive in naives])} items/s")]
 
 
 def _ingest_rate(bootstrap: str, topic: str, seconds: int, events: int) -> tuple[float, bool]:
@@ -205,12 +204,13 @@ def restart_figures(bootstrap: str, events: int, runs: int = 1) -> tuple[list[Fi
     times = []
     for _ in range(runs):
         worker = Worker(bootstrap, app_id, data)
-        times.append(worker.wait_ready())
-        worker.stop()
+        try:
+            times.append(worker.wait_ready())
+        finally:
+            worker.stop()
     seconds = statistics.median(times)
     return [Figure("restart_to_ready_with_local_state", round(seconds, 2), "s", "<= 2 s",
-                   seconds <= 2, note=f"{count:,} entries; {runs} restarts, "
-                                      f"{min(times):.2f}-{max(times):.2f} s")], data, tmp
+                   seconds <= 2, note=f"{count:,} entries; {runs} restarts, {span(times, 2)} s")], data, tmp
 
 
 def footprint_figures(data: Path, events: int) -> list[Figure]:

@@ -34,9 +34,11 @@ def test_kill_9_of_one_of_two_workers_loses_nothing_and_the_survivor_equals_the_
     # without reading a partition from its files: its own were in the view as stored, the
     # victim's as its follower had read them to the changelog's end (stream.worker.view_marks)
     assert trial.read_from_files == [], trial.read_from_files
-    # the survivor's log says where the takeover went (stream.bench.failover.PHASES): its
-    # recovery for the new assignment began, and its view was whole, after the kill and
-    # in that order (and after the rebalance reached it, when aiokafka logged that)
+    # the survivor's log says where the takeover went (stream.bench.failover.PHASES), each
+    # step found on its own: its recovery for the new assignment began, then its view was
+    # whole (and the rebalance had reached it before, when aiokafka's warning was not held
+    # back as a repeat)
     phases = trial.phases
-    assert 0 < phases["assigned"] <= phases["loaded"], phases
+    assert {"assigned", "loaded"} <= phases.keys(), phases
+    assert phases["assigned"] <= phases["loaded"], phases
     assert phases.get("noticed", 0) <= phases["assigned"], phases
