@@ -19,6 +19,7 @@ import orjson
 
 from stream.bench.figures import Figure, span
 from stream.bench.replay import produce_placements, raw_consume_rate
+from stream.bench.stacks import cpu_seconds
 from stream.bench.workload import Workload
 from stream.config import Settings
 from stream.core.cache import CacheState, Capacity
@@ -125,16 +126,18 @@ def ingest_figures(bootstrap: str, seconds: int, runs: int = 1,
     events = headroom_events_per_s * (seconds + 2)
     asyncio.run(produce_placements(bootstrap, topic, events))
     items_per_event = statistics.mean(len(e.items) for e in Workload().placed_events(20_000))
-    rates, controls, naives, drained = [], [], [], False
+    rates, busy, controls, naives, drained = [], [], [], [], False
     for _ in range(runs):
         controls.append(asyncio.run(raw_consume_rate(bootstrap, topic)))
-        rate, drained_now = _ingest_rate(bootstrap, topic, seconds, events)
+        rate, share, drained_now = _ingest_rate(bootstrap, topic, seconds, events)
         rates.append(rate)
+        busy.append(share)
         drained = drained or drained_now
         naives.append(naive_agent_rate(bootstrap, topic, min(seconds, 10)))
     rate, control, naive = (statistics.median(values) for values in (rates, controls, naives))
     items, naive_items = rate * items_per_event, naive * items_per_event
-    runs_said = f"{runs} runs, worker {span(rates)} events/s, raw consume {span(controls)}"
+    runs_said = (f"{runs} runs, worker {span(rates)} events/s, raw consume {span(controls)}; "
+                 f"the worker busy {100 * statistics.median(busy):.0f}% of a core")
     return [Figure("ingest_events_per_s", round(rate), "events/s",
                    ">= 50000 events/s and >= 0.2 x raw aiokafka consume (records/s)",
                    rate >= 50_000 and rate / control >= 0.2, round(control),
@@ -148,9 +151,10 @@ def ingest_figures(bootstrap: str, seconds: int, runs: int = 1,
                    f"{span([naive * items_per_event for naive in naives])} items/s")]
 
 
-def _ingest_rate(bootstrap: str, topic: str, seconds: int, events: int) -> tuple[float, bool]:
+def _ingest_rate(bootstrap: str, topic: str, seconds: int, events: int) -> tuple[float, float, bool]:
     """Events per second one worker of a fresh app id applies from ``topic`` (``events``
-    long) over ``seconds``, and whether it drained the topic (then the rate is a floor)."""
+    long) over ``seconds``, the share of a core it used meanwhile, and whether it drained
+    the topic (then the rate is a floor)."""
     app_id = f"bench-ingest-{time.time_ns()}"
     with tempfile.TemporaryDirectory() as tmp:
         worker = Worker(bootstrap, app_id, Path(tmp) / "data", topic)
@@ -165,13 +169,14 @@ def _ingest_rate(bootstrap: str, topic: str, seconds: int, events: int) -> tuple
             while first == 0:
                 time.sleep(0.2)
                 first = worker.metric("mmcache_events_processed_total")
-            started = time.monotonic()
+            started, cpu = time.monotonic(), cpu_seconds(worker.process.pid)
             time.sleep(seconds)
             total = worker.metric("mmcache_events_processed_total")
             elapsed = time.monotonic() - started
+            cpu = cpu_seconds(worker.process.pid) - cpu
         finally:
             worker.stop()
-    return (total - first) / elapsed, total >= events
+    return (total - first) / elapsed, cpu / elapsed, total >= events
 
 
 def naive_agent_rate(bootstrap: str, topic: str, seconds: float) -> float:
