@@ -175,7 +175,7 @@ def scale_figures(bootstrap: str, events: int = 600_000, cycles: int = 2, rate: 
                           + f"; both survivors; matches answered {answered}, errors {errors}, "
                           f"acknowledged placements missing {lost}; "
                           + phases_note(phases) + " (the later survivor's, each cycle)"))
-    ours = [taken - steps["assigned"] for taken, steps in cycles_taken if "assigned" in steps]
+    ours = [equal_at - steps["assigned"] for equal_at, steps in cycles_taken if "assigned" in steps]
     if ours and len(ours) == cycles:
         figures.append(Figure("scale3_takeover_assigned_to_replay_equal", round(statistics.median(ours), 2),
                               "s", "reported: the takeover less the broker's failure detection, "
