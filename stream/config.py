@@ -116,6 +116,11 @@ class Settings(BaseSettings):
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
     shutdown_timeout_s: float = Field(5.0, gt=0)
+    # what the embedded broker's kept log holds of the event and dead-letter topics, as
+    # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the
+    # changelog is compacted whatever these say (stream.kafka.log_cleaner)
+    embedded_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+    embedded_retention_bytes: int = Field(128 * 1024 * 1024, ge=-1)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
@@ -132,6 +137,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @field_validator("embedded_retention_ms", "embedded_retention_bytes")
+    @classmethod
+    def _retention(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (keep everything) or positive")
+        return value
 
     @field_validator("log_level", "match_source", mode="before")
     @classmethod

@@ -160,12 +160,21 @@ INTERNALS: tuple[Internal, ...] = (
     _aiokafka(FETCHER, "_isolation_level", "stream.kafka.tansu", "the fetch's isolation level"),
     _aiokafka(FETCHER, "_retry_backoff", "stream.kafka.tansu", "the wait between attempts"),
     _aiokafka(CLIENT, "_maybe_wait_metadata", "stream.kafka.tansu", "waits for metadata as end_offsets does"),
-    _aiokafka(CLIENT, "cluster", "stream.kafka.tansu", "partition leaders"),
-    _aiokafka(CLIENT, "add_topic", "stream.kafka.tansu", "asks metadata for a topic"),
-    _aiokafka(CLIENT, "force_metadata_update", "stream.kafka.tansu", "refreshes metadata"),
-    _aiokafka(CLIENT, "send", "stream.kafka.tansu", "sends a protocol request to a node"),
+    _aiokafka(CLIENT, "cluster", "stream.kafka.tansu, stream.kafka.batches", "partition leaders"),
+    _aiokafka(CLIENT, "add_topic", "stream.kafka.tansu, stream.kafka.batches", "asks metadata for a topic"),
+    _aiokafka(CLIENT, "force_metadata_update", "stream.kafka.tansu, stream.kafka.batches",
+              "refreshes metadata"),
+    _aiokafka(CLIENT, "send", "stream.kafka.tansu, stream.kafka.batches",
+              "sends a protocol request to a node"),
     _aiokafka("aiokafka.protocol.fetch", "FetchRequest", "stream.kafka.tansu", "the one-byte fetch"),
     _aiokafka("aiokafka.protocol.metadata", "MetadataRequest", "stream.kafka.tansu", "asks the cluster's id"),
+    # -- aiokafka: a kept log given back at its own offsets (stream.kafka.batches) --
+    _aiokafka("aiokafka.record.default_records", "DefaultRecordBatchBuilder", "stream.kafka.batches",
+              "builds record batches whose offset deltas keep the gaps compaction left"),
+    _aiokafka("aiokafka.protocol.produce", "ProduceRequest", "stream.kafka.batches",
+              "sends those batches (the producer numbers records one after another)"),
+    _aiokafka(CLIENT, "bootstrap", "stream.kafka.batches", "connects the client"),
+    _aiokafka(CLIENT, "close", "stream.kafka.batches", "closes it"),
 )
 
 

@@ -10,6 +10,7 @@ import errno
 import logging
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,17 @@ from stream.compiled import warn_stale
 from stream.config import Resolved, Settings
 from stream.event_loop import new_event_loop
 from stream.http.auth import refuse_open_writes
+from stream.http.server import tls_context
+from stream.http.starting import StartingServer
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import apply_log_level, logging_config
 
 __all__ = ["effective_configuration", "reach_cluster", "refuse_file_as_data_dir", "run_broker", "serve"]
 
 log = logging.getLogger("mmcache")
+
+#: A tombstone bound past any offset: no table file will need one.
+KEEP_NO_TOMBSTONE = 2**62
 
 
 def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
@@ -138,16 +144,31 @@ def serve(resolved: Resolved) -> None:
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     refuse_taken_port(settings.host, settings.port)
     broker = journal = kept_log = keeper = None
-    bootstrap = settings.bootstrap_servers
-    if bootstrap:
-        cluster = reach_cluster(bootstrap, settings)
-    # a missing dir is made only once the checks above passed, and locked before any broker
-    datadir.root.mkdir(parents=True, exist_ok=True)
-    datadir.lock()
-    if not bootstrap:
-        broker, kept_log = _start_embedded(datadir, settings)
-        bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
     loop = new_event_loop()
+    start_threads = ThreadPoolExecutor(thread_name_prefix="mmcache-start")
+    loop.set_default_executor(start_threads)
+    # the port answers probes from now on (stream.http.starting); the API takes it over
+    starting = StartingServer()
+    loop.run_until_complete(starting.start(settings.host, settings.port,
+                                           tls_context(settings.tls_cert, settings.tls_key)))
+    try:
+        bootstrap = settings.bootstrap_servers
+        if bootstrap:
+            starting.reason = "reaching the Kafka cluster"
+            cluster = reach_cluster(bootstrap, settings, loop)
+        # a missing dir is made only once the checks above passed, and locked before any broker
+        datadir.root.mkdir(parents=True, exist_ok=True)
+        datadir.lock()
+        if not bootstrap:
+            broker, kept_log = _start_embedded(loop, datadir, settings, starting)
+            bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
+        # no thread may run when the local state's readers are forked (below): a new pool,
+        # whose threads start when it is first used
+        start_threads.shutdown(wait=True)
+        loop.set_default_executor(ThreadPoolExecutor())
+    except BaseException:
+        starting.close()
+        raise
     try:
         datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
                                        settings.engine_view_max_entries),
@@ -167,7 +188,10 @@ def serve(resolved: Resolved) -> None:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
         if kept_log is not None:
-            journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
+            starting.reason = "starting the embedded broker's journal"
+            journal = loop.run_until_complete(asyncio.to_thread(
+                _keep_embedded_log, kept_log, bootstrap, settings, changelog, partitions))
+        starting.reason = "starting the worker"
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog))
         if resolved.capacity_source == "default":
@@ -186,7 +210,8 @@ def serve(resolved: Resolved) -> None:
         worker, keeper = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
                               stored=None if journal is None else journal.wait_stored,
-                              log_problem=lambda: None if journal is None else journal.problem())
+                              log_problem=lambda: None if journal is None else journal.problem(),
+                              listening=starting.handover)
         worker.logging_config = logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
         # only once the changelog holds their records, so they are never ahead of it. With
@@ -201,17 +226,20 @@ def serve(resolved: Resolved) -> None:
             _release(datadir, journal, settings.shutdown_timeout_s)
         raise
     finally:
+        starting.close()  # a start that ended before the API took the port over
         if journal is not None:
             journal.stop()
         if broker is not None:
             broker.stop()
 
 
-def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, Any]:
+def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Settings,
+                    starting: StartingServer) -> tuple[EmbeddedBroker, Any]:
     """Start serve's own broker with the cluster id of the log the data dir keeps (a new
-    one for a new dir) and give it that log back, offsets and all; refuse a dir built
-    against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
+    one for a new dir) and give it that log back, compacted, at its own offsets; refuse a
+    dir built against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
     from stream.kafka.embedded_log import EmbeddedLog
+    from stream.kafka.log_cleaner import Retention, now_ms
     from stream.state.store import applied_at
 
     kept = datadir.embedded_cluster()  # refuses a state of another cluster first
@@ -224,15 +252,46 @@ def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, A
         if kept is None:
             log_files.create(broker.cluster_id)
         else:
-            if datadir.running.exists():  # killed: its table files are dropped (claim)
-                log_files.cut_unfinished_changelogs(applied_at)
-            restored = asyncio.run(log_files.restore(broker.bootstrap_servers))
+            killed = datadir.running.exists() and not datadir.seed.exists()
+            retention = Retention(settings.embedded_retention_ms, settings.embedded_retention_bytes)
+
+            def compact() -> dict[tuple[str, int], Any]:
+                if killed:  # its table files are dropped (claim)
+                    log_files.cut_unfinished_changelogs(applied_at)
+                return log_files.compact(applied_at, _tombstones_through(datadir, killed),
+                                         retention, now_ms())
+
+            starting.reason = "compacting the embedded broker's kept log"
+            plans = loop.run_until_complete(asyncio.to_thread(compact))  # the port answers meanwhile
+
+            def progress(done: int, total: int) -> None:
+                starting.reason = f"restoring the embedded broker's log: {done} of {total} records"
+
+            restored = loop.run_until_complete(log_files.restore(broker.bootstrap_servers, plans,
+                                                                 progress))
             log.info("embedded broker's log restored from %s: %s", log_files.root,
                      ", ".join(f"{topic} {n} records" for topic, n in restored.items()) or "empty")
     except BaseException:
         broker.stop()
         raise
     return broker, log_files
+
+
+def _tombstones_through(datadir: Any, killed: bool) -> Any:
+    """Per partition, the changelog offset up to which compaction may drop tombstones:
+    what the table file holds (all of them when no file is kept; none if it cannot be read)."""
+    def through(partition: int) -> int:
+        if killed:
+            return KEEP_NO_TOMBSTONE
+        try:
+            held = datadir.table_offset(partition)
+        except Exception as exc:  # noqa: BLE001 - a file that cannot be read keeps them all
+            log.warning("cannot read the changelog offset of %s (%s): its tombstones are kept",
+                        datadir.partition_path(partition), exc)
+            return -1
+        return KEEP_NO_TOMBSTONE if held is None else held
+
+    return through
 
 
 def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, changelog: str,
@@ -279,9 +338,10 @@ def _release(datadir: Any, journal: Any, timeout_s: float) -> None:
         datadir.release()
 
 
-def reach_cluster(bootstrap: str, settings: Settings) -> str:
-    """The cluster's id, asked on a loop of its own that is closed with its resolver
-    threads (the local state's readers are forked afterwards). aiokafka's own error
+def reach_cluster(bootstrap: str, settings: Settings,
+                  loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """The cluster's id, asked on ``loop`` (serve ends its resolver threads before the
+    local state's readers are forked), else on a loop of its own. aiokafka's own error
     lines are held back: the one line below says it all."""
     from stream.kafka.tansu import cluster_id
 
@@ -290,7 +350,8 @@ def reach_cluster(bootstrap: str, settings: Settings) -> str:
     if not log.isEnabledFor(logging.DEBUG):
         client_log.setLevel(logging.CRITICAL)
     try:
-        return asyncio.run(cluster_id(bootstrap, settings.kafka))
+        asked = cluster_id(bootstrap, settings.kafka)
+        return asyncio.run(asked) if loop is None else loop.run_until_complete(asked)
     except Exception as exc:  # any failure to reach the cluster is one line, not a traceback
         raise SystemExit(f"cannot reach the Kafka cluster at {bootstrap} ({exc or type(exc).__name__}): "
                          "check --bootstrap-servers and the MMCACHE_KAFKA_* settings") from None

@@ -41,18 +41,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import httptools
 import orjson
 
 __all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "LINGER_S", "MAX_HEAD", "MAX_HEADERS", "MAX_LINE",
-           "Endpoint", "HttpServer", "Request", "Response", "Routes"]
+           "Endpoint", "HttpServer", "Request", "Response", "Routes", "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -819,6 +821,21 @@ class _Connection(asyncio.Protocol):
 _WRITTEN = object()  # ``Request.scratch`` once the request's answer was written
 
 
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The server TLS context of ``--tls-cert``/``--tls-key`` (``None``: plain HTTP);
+    a pair that cannot be loaded stops the start with one line naming the flags."""
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"configuration error: --tls-cert {cert} / --tls-key {key}: "
+                         f"cannot load them ({type(exc).__name__}: {exc.strerror or exc})") from None
+    return context
+
+
 class HttpServer:
     """Serves ``routes`` on a host and port of the running loop, over TLS when given a
     context; ``close`` stops taking connections and ends the open ones."""
@@ -845,12 +862,17 @@ class HttpServer:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                    backlog: int = 1024) -> int:
-        """Listen; return the port (the one chosen when ``port`` is 0)."""
+                    backlog: int = 1024, sock: socket.socket | None = None) -> int:
+        """Listen (on ``sock`` when given one already listening); return the port (the one
+        chosen when ``port`` is 0)."""
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
-                                                     ssl=ssl_context, backlog=backlog,
-                                                     reuse_address=True)
+        if sock is not None:
+            self._server = await self.loop.create_server(lambda: _Connection(self), sock=sock,
+                                                         ssl=ssl_context, backlog=backlog)
+        else:
+            self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
+                                                         ssl=ssl_context, backlog=backlog,
+                                                         reuse_address=True)
         self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
 

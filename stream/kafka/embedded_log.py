@@ -37,8 +37,20 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+
+from stream.kafka.log_cleaner import (
+    COMPACTING_SUFFIX,
+    Frame,
+    Retention,
+    compact_changelog,
+    mapped,
+    plan_events,
+    relocate,
+    rewrite,
+    scan,
+)
 
 __all__ = ["CLUSTER_FILE", "LOG_DIR_NAME", "EmbeddedLog", "Journal", "LogRecord", "RestoreFailed",
            "is_log_entry"]
@@ -50,7 +62,7 @@ _POSITION = struct.Struct(">qqb")
 _LENGTH = struct.Struct(">i")
 _COUNT = struct.Struct(">H")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_PARTITION_FILE = re.compile(r"^\d+\.log$")
+_PARTITION_FILE = re.compile(r"^\d+\.log(?:\.compacting)?$")
 _RESTORE_CHUNK = 5000
 _REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
 # A write is acknowledged once the journal has fetched it, and an idle fetch on Tansu
@@ -231,15 +243,16 @@ class EmbeddedLog:
         """The partition's file, cut after its last whole frame, and the next offset."""
         path = self.partition_path(topic, partition)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = path.read_bytes() if path.exists() else b""
-        records, length = read_frames(data)
-        if length < len(data):
+        with mapped(path) as data:
+            frames, length = scan(data)
+            size = len(data)
+        if length < size:
             log.warning("%s: cutting off %d bytes of a record written when the process was "
-                        "killed (never acknowledged)", path, len(data) - length)
+                        "killed (never acknowledged)", path, size - length)
         handle = open(path, "r+b" if path.exists() else "w+b", buffering=0)  # noqa: SIM115
         handle.truncate(length)
         handle.seek(length)
-        return handle, (records[-1].offset + 1 if records else 0)
+        return handle, (frames[-1].offset + 1 if frames else 0)
 
     def cut_unfinished_changelogs(self, applied_at: AppliedAt) -> int:
         """After a kill: cut each changelog partition after its last applied-offset record
@@ -251,63 +264,116 @@ class EmbeddedLog:
             if source is None:
                 continue
             for partition in range(int(spec["partitions"])):
-                events = self.records(source, partition)
+                with mapped(self.partition_path(source, partition)) as data:
+                    events = scan(data)[0]
                 end = events[-1].offset + 1 if events else 0
                 path = self.partition_path(name, partition)
                 if not path.exists():
                     continue
-                records, ends = _frames(path.read_bytes())
-                keep = applied_prefix(records, end, applied_at)
-                if keep < len(records):
+                with mapped(path) as data:
+                    frames = scan(data, lambda key: _is_applied_key(applied_at, key))[0]
+                keep = applied_prefix(frames, end, applied_at)
+                if keep < len(frames):
                     with open(path, "r+b") as handle:
-                        handle.truncate(ends[keep - 1] if keep else 0)
-                    cut += len(records) - keep
+                        handle.truncate(frames[keep - 1].end if keep else 0)
+                    cut += len(frames) - keep
         if cut:
             log.warning("cut %d changelog records past what the kept event log holds (written "
                         "just before a kill); the events it holds are applied again", cut)
         return cut
 
-    async def restore(self, bootstrap_servers: str) -> dict[str, int]:
-        """Give the (new, empty) broker this log's topics and records with their offsets;
-        return the records restored per topic. Called before anything else uses the broker."""
+    def compact(self, applied_at: AppliedAt, tombstones_through: Callable[[int], int],
+                retention: Retention, now_ms: int) -> dict[tuple[str, int], list[Frame]]:
+        """Compact the changelogs and apply the retention to the other topics, rewriting
+        each file that loses records (``stream.kafka.log_cleaner``); return, per (topic,
+        partition), the frames the new broker is to get. ``tombstones_through(p)``: the
+        changelog offset partition p's table file holds (its tombstones up to there are
+        dropped)."""
+        for leftover in self.root.glob(f"*/*.log{COMPACTING_SUFFIX}"):
+            leftover.unlink()  # a rewrite a kill interrupted: the old file is whole
+        topics = self.topics()
+        applied: dict[str, dict[int, int]] = {}
+        plans: dict[tuple[str, int], list[Frame]] = {}
+        dropped: dict[str, int] = {}
+        for name, spec in topics.items():  # changelogs first: they say what is applied
+            source = spec.get("applied_offsets_of")
+            if source is None:
+                continue
+            applied[source] = {}
+            for partition in range(int(spec["partitions"])):
+                path = self.partition_path(name, partition)
+                with mapped(path) as data:
+                    frames, length = scan(data, lambda key: _is_applied_key(applied_at, key))
+                    applied[source][partition] = max(
+                        (found for f in frames
+                         if (found := applied_at(f.key, f.value)) is not None), default=-1)
+                    kept = compact_changelog(frames, tombstones_through(partition))
+                    if len(kept) < len(frames) or length < len(data):
+                        rewrite(path, data, kept)
+                        kept = relocate(kept, kept)
+                dropped[name] = dropped.get(name, 0) + len(frames) - len(kept)
+                plans[(name, partition)] = kept
+        for name, spec in topics.items():
+            if spec.get("applied_offsets_of") is not None:
+                continue
+            for partition in range(int(spec["partitions"])):
+                path = self.partition_path(name, partition)
+                with mapped(path) as data:
+                    frames, length = scan(data)
+                    plan = plan_events(frames, retention, now_ms,
+                                       applied[name].get(partition, -1) if name in applied else None)
+                    to_broker = plan.to_broker
+                    if plan.dropped or length < len(data):
+                        rewrite(path, data, plan.kept)
+                        to_broker = relocate(plan.kept, to_broker)
+                dropped[name] = dropped.get(name, 0) + plan.dropped
+                plans[(name, partition)] = to_broker
+        if any(dropped.values()):
+            log.info("embedded broker's log compacted in %s: dropped %s", self.root,
+                     ", ".join(f"{topic} {n} records" for topic, n in dropped.items() if n))
+        return plans
+
+    async def restore(self, bootstrap_servers: str, plans: dict[tuple[str, int], list[Frame]],
+                      progress: Callable[[int, int], None] = lambda done, total: None,
+                      ) -> dict[str, int]:
+        """Give the (new, empty) broker this log's topics and the planned records
+        (``compact``) at their own offsets; return the records given per topic. Called
+        before anything else uses the broker; ``progress(done, total)`` after each batch."""
+        from stream.kafka.batches import RawPartitionWriter
         from stream.kafka.topics import ensure_topic
 
-        counts: dict[str, int] = {}
         topics = self.topics()
         for name, spec in topics.items():
             await ensure_topic(bootstrap_servers, name, int(spec["partitions"]), dict(spec["config"]))
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all",
-                                    linger_ms=5, max_batch_size=1024 * 1024,
-                                    max_request_size=16 * 1024 * 1024)
-        await producer.start()
-        try:
-            for name, spec in topics.items():
-                counts[name] = 0
-                for partition in range(int(spec["partitions"])):
-                    counts[name] += await self._restore_partition(producer, name, partition)
-        finally:
-            await producer.stop()
+        total = sum(len(frames) for frames in plans.values())
+        counts: dict[str, int] = {name: 0 for name in topics}
+        done = 0
+        progress(done, total)
+        async with RawPartitionWriter(bootstrap_servers) as writer:
+            for (name, partition), frames in plans.items():
+                if not frames:
+                    continue
+                with mapped(self.partition_path(name, partition)) as data:
+                    for start in range(0, len(frames), _RESTORE_CHUNK):
+                        chunk = [_decode_body(bytes(data[f.start + _FRAME.size:f.end]))
+                                 for f in frames[start:start + _RESTORE_CHUNK]]
+                        try:
+                            await writer.write(name, partition, chunk)
+                        except ValueError as exc:
+                            raise RestoreFailed(
+                                f"{self.partition_path(name, partition)}: {exc}: the log cannot be "
+                                "brought back as it was; nothing was deleted (keep this data dir, "
+                                "serve another one)") from None
+                        done += len(chunk)
+                        counts[name] += len(chunk)
+                        progress(done, total)
         return counts
 
-    async def _restore_partition(self, producer: AIOKafkaProducer, topic: str,
-                                 partition: int) -> int:
-        # the file is cut after its last whole frame first, as the journal will append there
-        handle, _ = self.open_for_append(topic, partition)
-        handle.close()
-        records = self.records(topic, partition)
-        for start in range(0, len(records), _RESTORE_CHUNK):
-            chunk = records[start:start + _RESTORE_CHUNK]
-            sent = [await producer.send(topic, r.value, key=r.key, partition=partition,
-                                        timestamp_ms=r.timestamp_ms,
-                                        headers=list(r.headers) or None) for r in chunk]
-            for record, metadata in zip(chunk, await asyncio.gather(*sent), strict=True):
-                if metadata.offset != record.offset:
-                    raise RestoreFailed(
-                        f"{self.partition_path(topic, partition)}: the broker gave the record "
-                        f"kept at offset {record.offset} offset {metadata.offset}: the log cannot "
-                        "be brought back as it was; nothing was deleted (keep this data dir, "
-                        "serve another one)")
-        return len(records)
+
+def _is_applied_key(applied_at: AppliedAt, key: bytes | None) -> bool:
+    """Whether ``key`` is the applied-offset record's (``applied_at`` reads any 8 bytes
+    under that key, and nothing under another): the one value compaction reads."""
+    return applied_at(key, bytes(8)) is not None
 
 
 def _write_all(handle: BinaryIO, data: bytes) -> None:

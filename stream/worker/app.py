@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import faust
@@ -32,7 +32,7 @@ from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.http.api import HttpApi
 from stream.http.auth import open_token_file
-from stream.http.server import HttpServer
+from stream.http.server import HttpServer, tls_context
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
@@ -97,34 +97,21 @@ class HttpService(mode.Service):
     given a context) and the event publisher next to the Faust app."""
 
     def __init__(self, api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None = None,
-                 **kwargs: Any) -> None:
+                 listening: Callable[[], socket.socket | None] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.api = api
         self.host = host
         self.port = port
         self.tls = tls
+        self.listening = listening  # the socket serve bound at start (stream.http.starting)
         self._server: HttpServer | None = None
-
-    @staticmethod
-    def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
-        """The server TLS context of ``--tls-cert``/``--tls-key`` (``None``: plain HTTP);
-        a pair that cannot be loaded stops the start with one line naming the flags."""
-        if cert is None or key is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise SystemExit(f"configuration error: --tls-cert {cert} / --tls-key {key}: "
-                             f"cannot load them ({type(exc).__name__}: {exc.strerror or exc})") from None
-        return context
 
     async def on_start(self) -> None:
         """Serve HTTP first, so /healthz and /readyz answer during recovery."""
         await self.api.publisher.start()
         self._server = self.api.server()
-        await self._server.start(self.host, self.port, self.tls)
+        await self._server.start(self.host, self.port, self.tls,
+                                 sock=None if self.listening is None else self.listening())
         writes, matches = self.api.write_tokens, self.api.match_tokens
         log.info("HTTP API on %s://%s:%d (not ready yet: loading the view; /readyz says when); "
                  "auth for writes and /v1/state: %s; auth for /v1/match: %s",
@@ -211,6 +198,7 @@ def build_worker(
     preload: LocalPreload | None = None,
     stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
     log_problem: Callable[[], str | None] = lambda: None,
+    listening: Callable[[], socket.socket | None] | None = None,
 ) -> tuple[faust.Worker, StateKeeper]:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
     event log probe, and return it with its keeper (which holds the view); nothing has
@@ -378,7 +366,7 @@ def build_worker(
                   match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"),
                   match_source=settings.match_source)
     http = HttpService(api, settings.host, settings.port,
-                       HttpService.tls_context(settings.tls_cert, settings.tls_key))
+                       tls_context(settings.tls_cert, settings.tls_key), listening)
     worker = faust.Worker(app, http, follower, probe, StartTask(ready_from_local_files),
                           loglevel=settings.log_level, quiet=True)
     worker.spinner = None  # a terminal spinner only garbles service logs
