@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     # changelog is compacted whatever these say (stream.kafka.log_cleaner)
     embedded_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
     embedded_retention_bytes: int = Field(128 * 1024 * 1024, ge=-1)
+    # the embedded broker (whose memory Tansu never frees) is started again on the
+    # compacted log once this much was written to the kept log since its start (-1: never;
+    # stream.kafka.rebase)
+    embedded_rebase_bytes: int = Field(256 * 1024 * 1024, ge=-1)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
@@ -138,7 +142,7 @@ class Settings(BaseSettings):
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
 
-    @field_validator("embedded_retention_ms", "embedded_retention_bytes")
+    @field_validator("embedded_retention_ms", "embedded_retention_bytes", "embedded_rebase_bytes")
     @classmethod
     def _retention(cls, value: int) -> int:
         if value == 0:

@@ -282,3 +282,56 @@ def test_a_kill_9_while_compacting_or_restoring_loses_nothing(serves, tmp_path, 
     started = time.monotonic()
     again = serves(data)
     assert again.settled_digest() == digest, time.monotonic() - started
+
+
+def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(serves, tmp_path):
+    """A rebase (stream.kafka.rebase) under writes: each write is acknowledged (202) or
+    refused (503, not acknowledged), none answered 202 is lost, through the rebases and a
+    kill -9 after them."""
+    import threading
+
+    data = tmp_path / "data"
+    service = serves(data, "--cache-size-mb-per-server", "20",
+                     env={"MMCACHE_EMBEDDED_REBASE_BYTES": "40000"})
+    acknowledged: list[tuple[str, str]] = []
+    refused: list[int] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            endpoint, digest = f"ns/rebase-{n % 5}", f"w{worker}-{n}"
+            body = {"request_id": digest, "endpoints": [endpoint],
+                    "items": [{"hash": digest, "size": 1, "modality": "image"}]}
+            status = http("POST", service.url + "/v1/placements", body)[0]
+            if status == 202:
+                acknowledged.append((endpoint, digest))
+            else:
+                assert status == 503, status
+                refused.append(status)
+            n += 1
+
+    loaders = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+    for loader in loaders:
+        loader.start()
+    try:
+        eventually(lambda: service.log().count("started again on its compacted log") >= 2, timeout=120)
+    finally:
+        stop.set()
+        for loader in loaders:
+            loader.join()
+    # the last 10 acknowledged placements of each endpoint are what it holds
+    last: dict[str, list[str]] = {}
+    for endpoint, digest in acknowledged:
+        last.setdefault(endpoint, []).append(digest)
+    expected = {endpoint: sorted(hashes[-10:]) for endpoint, hashes in last.items()}
+
+    def held_all(target: Serve) -> bool:
+        return all(sorted(_held(target, e, hashes)) == hashes for e, hashes in expected.items())
+
+    eventually(lambda: held_all(service), timeout=30)
+    digest = _caught_up_digest(service)
+    service.stop(signal.SIGKILL)
+    again = serves(data, "--cache-size-mb-per-server", "20")
+    eventually(lambda: held_all(again), timeout=30)
+    assert again.settled_digest() == digest
