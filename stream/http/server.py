@@ -858,17 +858,20 @@ class HttpServer:
         self.tasks: set[asyncio.Task[None]] = set()  # routes answering in tasks of their own
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
+        self._more_servers: list[asyncio.AbstractServer] = []  # other addresses of the host
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                    backlog: int = 1024, sock: socket.socket | None = None) -> int:
-        """Listen (on ``sock`` when given one already listening); return the port (the one
-        chosen when ``port`` is 0)."""
+                    backlog: int = 1024, sock: list[socket.socket] | None = None) -> int:
+        """Listen (on ``sock`` when given sockets already listening: `serve` binds its port
+        at start, ``stream.http.starting``); return the port (the one chosen for 0)."""
         self.loop = asyncio.get_running_loop()
-        if sock is not None:
-            self._server = await self.loop.create_server(lambda: _Connection(self), sock=sock,
-                                                         ssl=ssl_context, backlog=backlog)
+        if sock:
+            servers = [await self.loop.create_server(lambda: _Connection(self), sock=listening,
+                                                     ssl=ssl_context, backlog=backlog)
+                       for listening in sock]
+            self._server, self._more_servers = servers[0], servers[1:]
         else:
             self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
                                                          ssl=ssl_context, backlog=backlog,
@@ -901,8 +904,9 @@ class HttpServer:
         self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is not None:
-            self._server.close()
+        for server in [self._server, *self._more_servers]:
+            if server is not None:
+                server.close()
         for connection in list(self.connections):
             connection.shutdown()
         if self.tasks:

@@ -171,7 +171,7 @@ class HttpService(mode.Service):
     given a context) and the event publisher next to the Faust app."""
 
     def __init__(self, api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None = None,
-                 listening: Callable[[], socket.socket | None] | None = None, **kwargs: Any) -> None:
+                 listening: Callable[[], list[socket.socket] | None] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.api = api
         self.host = host
@@ -271,7 +271,7 @@ def build_worker(
     settings: Settings, bootstrap_servers: str, partitions: int, *, embedded: bool,
     preload: LocalPreload | None = None,
     embedded_cluster: EmbeddedCluster | None = None,
-    listening: Callable[[], socket.socket | None] | None = None,
+    listening: Callable[[], list[socket.socket] | None] | None = None,
 ) -> tuple[faust.Worker, StateKeeper]:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
     event log probe, and return it with its keeper (which holds the view); nothing has
