@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import http.client
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -117,6 +118,9 @@ def test_tiny_chunks_cost_about_their_bytes_the_budget_bites_and_memory_is_given
             sender.start()
         for sender in senders:
             sender.join()
+        # 16 bodies of 4.46 MB (71 MB) cannot all fit in 64 MiB: once the server has read
+        # what was sent, one was refused
+        refused = asyncio.run(until(lambda: (metric(port, "mmcache_http_body_budget_refusals_total") or 0) >= 1, 30))
         during = rss_bytes(process.pid)
         answers = []
         for sock in socks:
@@ -130,6 +134,7 @@ def test_tiny_chunks_cost_about_their_bytes_the_budget_bites_and_memory_is_given
         stop.set()
         sampler.join()
         assert not runaway.is_set(), f"RSS grew {(peak - before) >> 20} MiB"
+        assert refused
         # the budget (64 MiB of bodies by their bytes on the wire), and what reading costs
         assert peak - before < budget + (48 << 20), f"RSS grew {(peak - before) >> 20} MiB"
         busy = [answer for answer in answers if statuses(answer) == [503]]
@@ -197,16 +202,17 @@ def test_many_tiny_chunks_do_not_hold_the_loop(frozen_heap):  # noqa: F811
 def test_bodies_over_the_server_wide_budget_get_503_server_busy_and_the_rest_goes_on():
     api = make_api(Limits(max_body_bytes=1 << 20))
     head = b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-    size = 600_000
+    size = 300_000
 
     async def run() -> tuple[list[bytes], bytes, int, int]:
         async with serving(api, body_budget=1 << 20) as (server, port):
             socks = [await in_thread(connect, port) for _ in range(3)]
             answers = []
-            for sock in socks[:2]:  # two half-sent bodies hold 2 x 300 KB
+            for sock in socks[:2]:  # two half-sent bodies hold 2 x 150 KB
                 sock.sendall(head % size + b" " * (size // 2))
             assert await until(lambda: server.body_bytes >= size)
-            socks[2].sendall(head % size + b" " * size)  # over the budget: refused at once
+            socks[2].sendall(head % 800_000 + b" " * 800_000)  # cannot fit: refused before it is read
+            socks[2].shutdown(socket.SHUT_WR)
             answers.append(await in_thread(read_all, socks[2]))
             for sock in socks[:2]:
                 sock.sendall(b" " * (size // 2))  # whole: read, answered (400: not JSON)
@@ -334,22 +340,19 @@ def test_a_lingering_close_ends_when_the_client_goes_quiet_or_its_time_is_up():
     api = make_api(Limits(max_body_bytes=100))
 
     def trickle(port: int) -> tuple[bytes, float]:
-        """A refused client that keeps sending a little for ever: cut after the linger."""
+        """A refused client that keeps sending a little (1 KiB every 20 ms) for ever:
+        cut once the linger's time is up (its sends then fail)."""
         started = time.monotonic()
         with connect(port, timeout=10) as sock:
             sock.sendall(b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
-            got = b""
+            got, ended = b"", False
             while time.monotonic() - started < 8:
                 try:
                     sock.sendall(b" " * 1024)
-                    sock.settimeout(0.02)
-                    chunk = sock.recv(65536)
-                    sock.settimeout(10)
-                    if not chunk:
-                        break
-                    got += chunk
-                except TimeoutError:
-                    sock.settimeout(10)
+                    if select.select([] if ended else [sock], [], [], 0.02)[0]:
+                        chunk = sock.recv(65536)
+                        ended = not chunk  # the server shut its side: it still reads
+                        got += chunk
                 except OSError:
                     break
             return got, time.monotonic() - started
