@@ -5,18 +5,16 @@ it is closed at once), memory is given back once the clients are gone, many tiny
 do not hold the loop, and a refused client that sends its whole body before reading
 still reads its 413 (the lingering close).
 
-The memory tests run the server in a process of its own (``tests.unit.served_process``)
-and read its resident set from ``/proc``."""
+The memory test runs the API's server in a process of its own
+(``stream.bench.body_attack``) and reads its resident set from ``/proc``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import http.client
-import re
 import select
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ import orjson
 import pytest
 import requests
 
+from stream.bench.body_attack import attack, metric, serving_process
 from stream.config import Limits
 from stream.http import server as http_server
 from tests.unit.test_http_api import make_api
@@ -45,107 +44,26 @@ from tests.unit.test_http_server_limits import (
 CHUNKED = b"POST /v1/match HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-@contextlib.contextmanager
-def server_process(**knobs: object) -> Iterator[tuple[subprocess.Popen, int]]:
-    process = subprocess.Popen([sys.executable, "-m", "tests.unit.served_process", orjson.dumps(knobs).decode()],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        port = int(process.stdout.readline())  # type: ignore[union-attr]
-        yield process, port
-    finally:
-        process.stdin.close()  # type: ignore[union-attr]
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def metric(port: int, name: str) -> float | None:
-    """One unlabelled sample of the server's /metrics (None: not exported)."""
-    raw = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    found = re.search(rb"^%s (\S+)$" % re.escape(name.encode()), raw, re.MULTILINE)
-    return None if found is None else float(found.group(1))
-
-
 def test_tiny_chunks_cost_about_their_bytes_the_budget_bites_and_memory_is_given_back():
-    """The issue's attack: 16 connections each send 15.6 MB of 2-byte chunks (under the
-    16 MiB + 64 KiB a request may take) and keep their bodies open. Every chunk kept as its
-    own ``bytes`` took the server from 386 MB to 3,040 MB, never given back."""
-    wire = 15_600_000
-    one = b"2\r\nab\r\n"
-    body = one * (wire // len(one))
-    budget = 64 << 20
-    connections = 16
-    with server_process(sweep_s=0.05) as (process, port):
-        for _ in range(3):  # warm: what a first request loads stays loaded
-            assert statuses(exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")) \
-                == [200]
-            metric(port, "mmcache_http_connections")
-        before = rss_bytes(process.pid)
-        peak, runaway, stop = before, threading.Event(), threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not stop.is_set():
-                peak = max(peak, rss_bytes(process.pid))
-                if peak - before > 1 << 30:  # a server without bounds: the machine's memory kept
-                    runaway.set()
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        socks = [connect(port, timeout=30) for _ in range(connections)]
-
-        def attack(sock: socket.socket) -> None:
-            with contextlib.suppress(OSError):
-                sock.sendall(CHUNKED)
-                for start in range(0, len(body), 1 << 20):
-                    if runaway.is_set():
-                        return
-                    sock.sendall(body[start:start + (1 << 20)])
-
-        senders = [threading.Thread(target=attack, args=(sock,)) for sock in socks]
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
-        # 16 bodies of 4.46 MB (71 MB) cannot all fit in 64 MiB: once the server has read
-        # what was sent, one was refused
-        refused = asyncio.run(until(lambda: (metric(port, "mmcache_http_body_budget_refusals_total") or 0) >= 1, 30))
-        during = rss_bytes(process.pid)
-        answers = []
-        for sock in socks:
-            sock.setblocking(False)
-            try:
-                answers.append(sock.recv(1 << 16))
-            except (BlockingIOError, ConnectionResetError):
-                answers.append(b"")
-        for sock in socks:
-            sock.close()
-        stop.set()
-        sampler.join()
-        assert not runaway.is_set(), f"RSS grew {(peak - before) >> 20} MiB"
-        assert refused
-        # the budget (64 MiB of bodies by their bytes on the wire), and what reading costs
-        assert peak - before < budget + (48 << 20), f"RSS grew {(peak - before) >> 20} MiB"
-        busy = [answer for answer in answers if statuses(answer) == [503]]
-        assert busy and all(b'"server_busy"' in answer and b"Retry-After: " in answer for answer in busy)
-        assert metric(port, "mmcache_http_body_budget_refusals_total") == len(busy)
-        assert asyncio.run(until(lambda: metric(port, "mmcache_http_connections") == 1, 10))
-        assert metric(port, "mmcache_http_body_in_flight_bytes") == 0
-        after = rss_bytes(process.pid)
-        print(f"RSS before {before >> 20} MiB, peak {peak >> 20} MiB, with the bodies open {during >> 20} MiB, "
-              f"after {after >> 20} MiB")
-        assert after < before * 1.1, f"RSS {before >> 20} MiB before, {after >> 20} MiB after"
+    """The issue's attack (``stream.bench.body_attack``, also a bench row): 16 connections
+    each send 15.6 MB of 2-byte chunks (under the 16 MiB + 64 KiB a request may take) and
+    keep their bodies open. Every chunk kept as its own ``bytes`` took the server from
+    386 MB to 3,040 MB, never given back."""
+    with serving_process(sweep_s=0.05) as (process, port):
+        got = attack(process, port)
+        busy = [answer for answer in got.answers if statuses(answer) == [503]]
+        refusals = metric(port, "mmcache_http_body_budget_refusals_total")
+        held = metric(port, "mmcache_http_body_in_flight_bytes")
+    mib = 1 << 20
+    print(f"RSS before {got.before // mib} MiB, peak {got.peak // mib} MiB, with the bodies open "
+          f"{got.during // mib} MiB, after {got.after // mib} MiB")
+    assert not got.runaway, f"RSS grew {(got.peak - got.before) // mib} MiB"
+    # the budget (64 MiB held by the bodies), and what reading costs
+    assert got.peak - got.before < (64 + 48) * mib, f"RSS grew {(got.peak - got.before) // mib} MiB"
+    assert got.refused and busy and refusals == len(busy)
+    assert all(b'"server_busy"' in answer and b"Retry-After: 1\r\n" in answer for answer in busy)
+    assert got.closed and held == 0
+    assert got.after < got.before * 1.1, f"RSS {got.before // mib} MiB before, {got.after // mib} MiB after"
 
 
 def test_a_body_costs_about_its_bytes_however_small_its_chunks():
