@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import select
 import socket
 import statistics
 import subprocess
@@ -142,18 +143,34 @@ def attack(process: subprocess.Popen[bytes], port: int, connections: int = CONNE
         sender.start()
     for sender in senders:
         sender.join()
-    # more bodies than fit in the budget: once the server has read what was sent, one was refused
-    over = connections * len(body) * 2 // len(one) > Limits().body_budget
-    refused = over and not runaway.is_set() and _until(
-        lambda: (metric(port, "mmcache_http_body_budget_refusals_total") or 0) >= 1, 30)
+    # the server has read everything sent once every body is either refused or whole in
+    # memory; more bodies than fit in the budget: then one at least was refused
+    content = len(body) * 2 // len(one)
+    counts: list[float] = [0.0, 0.0]
+
+    def settled() -> bool:
+        raw = _exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        names = (b"mmcache_http_body_budget_refusals_total", b"mmcache_http_body_in_flight_bytes")
+        for at, name in enumerate(names):
+            found = re.search(rb"^%s (\S+)$" % name, raw, re.MULTILINE)
+            counts[at] = float(found.group(1)) if found else 0.0
+        return counts[1] >= (connections - counts[0]) * content
+
+    whole = not runaway.is_set() and _until(settled, 60)
+    refused = whole and counts[0] >= 1 and connections * content > Limits().body_budget
     during = rss_bytes(process.pid)
-    answers = []
-    for sock in socks:
-        sock.setblocking(False)
-        try:
-            answers.append(sock.recv(1 << 16))
-        except (BlockingIOError, ConnectionResetError):
-            answers.append(b"")
+    answers = [b""] * len(socks)
+
+    def read_answers() -> bool:
+        """Whether every refusal counted has its answer read (each read as it comes)."""
+        for at, sock in enumerate(socks):
+            if select.select([sock], [], [], 0)[0]:
+                with contextlib.suppress(OSError):
+                    answers[at] += sock.recv(1 << 16)
+        read = sum(1 for answer in answers if answer.startswith(b"HTTP/1.1 503 "))
+        return read >= (metric(port, "mmcache_http_body_budget_refusals_total") or 0)
+
+    _until(read_answers, 10)
     for sock in socks:
         sock.close()
     stop.set()
