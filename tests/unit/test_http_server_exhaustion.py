@@ -283,3 +283,23 @@ def test_a_lingering_close_ends_when_the_client_goes_quiet_or_its_time_is_up():
 
     got, took, cut = asyncio.run(run())
     assert statuses(got) == [413] and took < 5 and cut == 1
+
+
+def test_the_budget_defaults_to_four_bodies_and_may_not_be_below_one(monkeypatch):
+    assert Limits().body_budget == 64 << 20 and Limits(max_body_bytes=1 << 20).body_budget == 4 << 20
+    monkeypatch.setenv("MMCACHE_BODY_BUDGET_BYTES", str(1 << 20))
+    with pytest.raises(ValueError, match="MMCACHE_BODY_BUDGET_BYTES .* must be at least MMCACHE_MAX_BODY_BYTES"):
+        Limits()
+    assert Limits(max_body_bytes=1 << 20).body_budget == 1 << 20
+
+
+def test_the_api_serves_within_its_limits_bounds_and_exports_them():
+    api = make_api(Limits(max_connections=7, body_budget_bytes=32 << 20))
+    server = api.server()
+    assert (server.max_connections, server.body_budget) == (7, 32 << 20)
+    server.body_bytes, server.refusals["connection_cap"] = 1234, 5
+    exported = api.metrics.registry.get_sample_value
+    assert exported("mmcache_http_body_in_flight_bytes") == 1234
+    assert exported("mmcache_http_connections_refused_total") == 5
+    assert exported("mmcache_http_connections") == 0
+    assert exported("mmcache_http_body_budget_refusals_total") == exported("mmcache_http_lingers_cut_total") == 0
