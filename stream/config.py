@@ -59,6 +59,25 @@ class Limits(BaseSettings):
     # facts (stored, removed, cleared) in one POST /v1/engine-events; its stored items and its
     # removed hashes are each bounded by max_items too
     max_engine_events: int = Field(1024, ge=1)
+    # open HTTP connections at most; a new one over it is closed at once (Redis' maxclients,
+    # nginx's worker_connections: see docs/http-api.md, "What all clients together hold")
+    max_connections: int = Field(4096, ge=1)
+    # bytes the request bodies in flight hold at most, over all connections; a body that
+    # would go over gets 503 server_busy (None: four bodies of max_body_bytes, 64 MiB)
+    body_budget_bytes: int | None = Field(None, ge=1)
+
+    @property
+    def body_budget(self) -> int:
+        """``body_budget_bytes``, or four bodies of ``max_body_bytes``."""
+        return 4 * self.max_body_bytes if self.body_budget_bytes is None else self.body_budget_bytes
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> Limits:
+        if self.body_budget < self.max_body_bytes:
+            raise ValueError(f"MMCACHE_BODY_BUDGET_BYTES ({self.body_budget}) must be at least "
+                             f"MMCACHE_MAX_BODY_BYTES ({self.max_body_bytes}): else a body within the "
+                             "limit could never be read")
+        return self
 
     @model_validator(mode="after")
     def _references_cover_items(self) -> Limits:

@@ -82,6 +82,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
         f"{limits.max_references} media references, {limits.max_match_pairs} match pairs, "
         f"{limits.max_engine_events} engine events",
+        f"HTTP connections at most {limits.max_connections}, bodies in flight at most "
+        f"{limits.body_budget} bytes",
         f"log level {settings.log_level}",
     ]
     if resolved.plugin is not None:

@@ -70,6 +70,13 @@ def _state_poll(bootstrap: str, quick: bool, scale: float | None) -> list[Figure
                               3 if scale else 4 if quick else 10, 1 if scale or quick else 5)
 
 
+def _body_attack(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.body_attack import body_attack_figures
+
+    # a test's run (``scale``) sends a share of the bytes: its figures are whole, not a measure
+    return body_attack_figures(1 if quick or scale else 5, wire=_sized(15_600_000, 0, scale))
+
+
 def _failover(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.failover import failover_figures
 
@@ -96,6 +103,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "replay": _replay,
     "restart": _restart,
     "state_poll": _state_poll,
+    "body_attack": _body_attack,
     "failover": _failover,
     "scale3": _scale3,
     "soak": _soak,

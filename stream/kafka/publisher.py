@@ -62,8 +62,10 @@ class EventPublisher:
         self.stored = stored  # (topic, [(partition, offset)]): returns once those are kept
         self.in_flight = 0
         self.waiting = 0  # writes held by ``held``
-        self._open: asyncio.Event | None = None  # cleared while writes are held (``held``)
-        self._idle: asyncio.Event | None = None  # set while no write waits for the broker
+        self._open = asyncio.Event()  # cleared while writes are held (``held``)
+        self._open.set()
+        self._idle = asyncio.Event()  # set while no write waits for the broker
+        self._idle.set()
         self._producer: AIOKafkaProducer
         self._failures = 0
         self._warned_at = -_WARN_EVERY_S
@@ -83,15 +85,11 @@ class EventPublisher:
             **client_options(self.security),
         )
         await self._producer.start()
-        self._open, self._idle = asyncio.Event(), asyncio.Event()
-        self._open.set()
-        self._idle.set()
 
     @asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
         """Hold new writes (each waits within its own time budget, then is not
         acknowledged) and return once none is in flight; let them go at the end."""
-        assert self._open is not None and self._idle is not None, "start() first"
         self._open.clear()
         try:
             await self._idle.wait()
@@ -127,7 +125,6 @@ class EventPublisher:
         if self.in_flight + self.waiting >= self.max_in_flight:
             raise Overloaded(f"{self.in_flight + self.waiting} writes already wait for the event log "
                              f"(max_writes_in_flight); the write was not sent, retry later")
-        assert self._open is not None and self._idle is not None, "start() first"
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -154,7 +151,7 @@ class EventPublisher:
             self._idle_if_none()
 
     def _idle_if_none(self) -> None:
-        if self.in_flight == 0 and self._idle is not None:
+        if self.in_flight == 0:
             self._idle.set()
 
     async def _send(self, records: list[tuple[bytes | None, int | None, bytes]]) -> int:
