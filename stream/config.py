@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the
     # changelog is compacted whatever these say (stream.kafka.log_cleaner)
     embedded_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
-    embedded_retention_bytes: int = Field(128 * 1024 * 1024, ge=-1)
+    embedded_retention_bytes: int = Field(32 * 1024 * 1024, ge=-1)
     # the embedded broker (whose memory Tansu never frees) is started again on the
     # compacted log once this much was written to the kept log since its start (-1: never;
     # stream.kafka.rebase)

@@ -47,6 +47,8 @@ __all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "EmbeddedLog", "
 LOG_DIR_NAME = "log"
 CLUSTER_FILE = "cluster.json"
 _FRAME = struct.Struct(">II")
+# a frame's fixed start read at once by ``scan``: length, CRC, offset, timestamp, type, key length
+_HEAD = struct.Struct(">IIqqbi")
 _POSITION = struct.Struct(">qqb")
 _LENGTH = struct.Struct(">i")
 _COUNT = struct.Struct(">H")
@@ -156,27 +158,26 @@ def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambd
     corrupt frame (and all after it) is left out. Only the values of keys for which
     ``values`` is true are copied (compaction mostly needs keys, not values)."""
     frames: list[Frame] = []
+    append = frames.append
     at, size = 0, len(data)
     view = memoryview(data)
-    header, position, length_of = _FRAME.size, _POSITION.size, _LENGTH.size
+    head, length_at, crc32 = _HEAD.unpack_from, _LENGTH.unpack_from, zlib.crc32
     try:
-        while at + header <= size:
-            length, crc = _FRAME.unpack_from(data, at)
-            body = at + header
+        while at + _HEAD.size <= size:
+            length, crc, offset, timestamp, _, key_length = head(data, at)
+            body = at + _FRAME.size
             end = body + length
-            if end > size or zlib.crc32(view[body:end]) != crc:
+            if end > size or crc32(view[body:end]) != crc:
                 break
-            offset, timestamp, _ = _POSITION.unpack_from(data, body)
-            cursor = body + position
-            (key_length,) = _LENGTH.unpack_from(data, cursor)
-            cursor += length_of
+            cursor = at + _HEAD.size
             key = None if key_length < 0 else bytes(view[cursor:cursor + key_length])
-            cursor += max(key_length, 0)
-            (value_length,) = _LENGTH.unpack_from(data, cursor)
-            cursor += length_of
+            if key_length > 0:
+                cursor += key_length
+            (value_length,) = length_at(data, cursor)
+            cursor += _LENGTH.size
             value = (bytes(view[cursor:cursor + value_length])
                      if value_length >= 0 and values(key) else None)
-            frames.append(Frame(at, end, offset, timestamp, key, value_length < 0, value))
+            append(Frame(at, end, offset, timestamp, key, value_length < 0, value))
             at = end
     finally:
         view.release()
