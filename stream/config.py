@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     body_readers: int | None = Field(None, ge=1, le=1024)
     # seconds a big body may wait for a body reader, and again its reader may take to
     # answer, before its request is answered 503 (a stuck reader is replaced)
-    body_read_timeout_s: float = Field(4.0, gt=0, le=60)
+    body_read_timeout_s: float = Field(2.5, gt=0, le=60)
     shutdown_timeout_s: float = Field(5.0, gt=0)
     # what the embedded broker's kept log holds of the event and dead-letter topics, as
     # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the

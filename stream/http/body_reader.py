@@ -19,10 +19,11 @@ at a time. Bodies waiting for a child are taken in this order: writes (placement
 endpoint and engine events) before matches, so a gateway's writes never queue behind a
 flood of big matches; within each, the client (remote address) holding the fewest
 children first, the oldest of its bodies first, so that a client holds more than its
-share (``readers`` over the clients present) only while nobody else waits. Every body has
-a deadline (``deadline_s``): one that waits that long for a child, or whose child does not
-answer that long after it was handed the body (a stuck child: stopped, swapping, looping),
-is answered 503 ``body_reader_unavailable``, and the stuck child is killed and replaced.
+share (``readers`` over the clients present) only until one of its bodies is read (a child
+is never taken back from a body). Every body has a deadline (``deadline_s``): one that waits
+that long for a child, or whose child does not answer that long after it was handed the
+body (a stuck child: stopped, swapping, looping), is answered 503
+``body_reader_unavailable``, and the stuck child is killed and replaced.
 A connection answers its requests one at a time (``stream.http.server``), so it never has
 more than one body here.
 
@@ -71,9 +72,9 @@ INLINE_BYTES = 256 * 1024
 INLINE_VALUES = 8192
 #: Seconds a big body may wait for a child, and again seconds its child may take to
 #: answer it (start, write, parse): 16 MiB of small values take 0.3-0.6 s on the 2-core
-#: test machine, so a child that takes this long is stuck, and its request is answered
-#: 503 well within CONTRACT's 5 s.
-DEADLINE_S = 4.0
+#: test machine, so a child that takes this long is stuck; either way the request is
+#: answered (503 at worst) within twice this, CONTRACT's 5 s.
+DEADLINE_S = 2.5
 
 #: Bytes written to the child a turn of the loop. One write of a whole 16 MiB body to a
 #: pipe that the child drains as it fills copied for ~10 ms in one call (20-40 ms of
@@ -137,6 +138,9 @@ class BodyReader:
         # lane -> client -> its bodies waiting, oldest first; clients in the order they take turns
         self._waiting: dict[str, dict[str | None, deque[_Body]]] = {lane: {} for lane in LANES}
         self._held: Tally[str | None] = Tally()  # bodies in children, by client
+        # the turn (a count of bodies handed out) at which each client present last got a child
+        self._served: dict[str | None, int] = {}
+        self._turn = 0
         self._runs: set[asyncio.Task[None]] = set()
         self._closed = False
         self.waits = {lane: Histogram(_WAIT_BUCKETS) for lane in LANES}
@@ -196,8 +200,13 @@ class BodyReader:
                 return
             self._busy += 1
             self._held[body.client] += 1
+            self._turn += 1
+            self._served[body.client] = self._turn
             loop = asyncio.get_running_loop()
             self.waits[body.lane].observe(loop.time() - body.since)
+            if body.timer is not None:  # its child's own deadline from now
+                body.timer.cancel()
+            body.timer = loop.call_later(self.deadline_s, self._expire, body)
             child = None
             while self._idle and child is None:
                 child = self._idle.pop()
@@ -210,17 +219,17 @@ class BodyReader:
 
     def _next(self) -> _Body | None:
         """The next body to read: writes first; in a lane, the client holding the fewest
-        children (the first in turn among them), its oldest body; that client then takes
-        its turn behind the others."""
-        held = self._held
+        children, among them the one served longest ago (a newcomer first), its oldest
+        body."""
+        held, served = self._held, self._served
         for lane in LANES:
             queues = self._waiting[lane]
             if queues:
-                client = min(queues, key=held.__getitem__)
-                waiting = queues.pop(client)
+                client = min(queues, key=lambda name: (held[name], served.get(name, 0)))
+                waiting = queues[client]
                 body = waiting.popleft()
-                if waiting:
-                    queues[client] = waiting
+                if not waiting:
+                    del queues[client]
                 return body
         return None
 
@@ -233,7 +242,13 @@ class BodyReader:
         waiting.remove(body)
         if not waiting:
             del queues[body.client]
+            self._forget(body.client)
         return True
+
+    def _forget(self, client: str | None) -> None:
+        """Drop a client's turn once it holds no child and has no body waiting."""
+        if client not in self._held and all(client not in queues for queues in self._waiting.values()):
+            self._served.pop(client, None)
 
     async def _run(self, body: _Body, child: _Child | None) -> None:
         """Read ``body`` in ``child`` (a new one if ``None``, and again in a new one if it
@@ -285,6 +300,7 @@ class BodyReader:
             self._held[body.client] -= 1
             if self._held[body.client] <= 0:
                 del self._held[body.client]
+                self._forget(body.client)
             if child is not None:
                 if child.dead or self._closed:
                     self._drop(child)
