@@ -16,9 +16,10 @@ in slices.
 
 The pool (``readers`` children, by default one per usable core) holds one body per child
 at a time. Bodies waiting for a child are taken in this order: writes (placements,
-endpoint and engine events) before matches, so a gateway's writes never queue behind a
-flood of big matches; within each, the client (remote address) holding the fewest
-children first, the oldest of its bodies first, so that a client holds more than its
+endpoint and engine events) before matches, and matches never hold the last child when
+there are two or more, so a gateway's writes never queue behind a flood of big matches;
+within each lane, the client (remote address) holding the fewest children first, the one
+served longest ago among them, its oldest body first, so that a client holds more than its
 share (``readers`` over the clients present) only until one of its bodies is read (a child
 is never taken back from a body). Every body has a deadline (``deadline_s``): one that waits
 that long for a child, or whose child does not answer that long after it was handed the
@@ -138,6 +139,9 @@ class BodyReader:
         # lane -> client -> its bodies waiting, oldest first; clients in the order they take turns
         self._waiting: dict[str, dict[str | None, deque[_Body]]] = {lane: {} for lane in LANES}
         self._held: Tally[str | None] = Tally()  # bodies in children, by client
+        self._lanes: Tally[str] = Tally()  # bodies in children, by lane
+        # children matches may hold at most: the last one is kept for writes
+        self._for_matches = max(1, self.readers - 1)
         # the turn (a count of bodies handed out) at which each client present last got a child
         self._served: dict[str | None, int] = {}
         self._turn = 0
@@ -200,6 +204,7 @@ class BodyReader:
                 return
             self._busy += 1
             self._held[body.client] += 1
+            self._lanes[body.lane] += 1
             self._turn += 1
             self._served[body.client] = self._turn
             loop = asyncio.get_running_loop()
@@ -218,13 +223,13 @@ class BodyReader:
             run.add_done_callback(self._runs.discard)
 
     def _next(self) -> _Body | None:
-        """The next body to read: writes first; in a lane, the client holding the fewest
-        children, among them the one served longest ago (a newcomer first), its oldest
-        body."""
+        """The next body to read: writes first, then matches while they hold fewer than
+        ``_for_matches`` children; in a lane, the client holding the fewest children, among
+        them the one served longest ago (a newcomer first), its oldest body."""
         held, served = self._held, self._served
         for lane in LANES:
             queues = self._waiting[lane]
-            if queues:
+            if queues and (lane != "match" or self._lanes[lane] < self._for_matches):
                 client = min(queues, key=lambda name: (held[name], served.get(name, 0)))
                 waiting = queues[client]
                 body = waiting.popleft()
@@ -297,6 +302,7 @@ class BodyReader:
             if body.timer is not None:
                 body.timer.cancel()
             self._busy -= 1
+            self._lanes[body.lane] -= 1
             self._held[body.client] -= 1
             if self._held[body.client] <= 0:
                 del self._held[body.client]

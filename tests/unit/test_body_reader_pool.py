@@ -135,9 +135,9 @@ def test_a_reader_killed_while_it_reads_a_body_is_replaced_and_the_body_read_aga
 
 
 def test_writes_are_read_before_a_flood_of_big_matches_queued_ahead_of_them():
-    """Many big matches queued, then one placement: it is read as soon as a reader is free,
-    so at most the matches already being read are answered before it (on one child read
-    in order, every match was)."""
+    """Many big matches queued, then one placement: it is read at once (matches leave the
+    last reader to writes) or, with one reader, next; so at most the matches already being
+    read are answered before it (on one child read in order, every match was)."""
     readers = len(os.sched_getaffinity(0))
     flood = 3 * readers + 3
 
@@ -145,7 +145,8 @@ def test_writes_are_read_before_a_flood_of_big_matches_queued_ahead_of_them():
         reader = BodyReader(LIMITS)  # sized to the cores, as serve's
         order: list[str] = []
         try:
-            await reader.read(match_query, [JUNK])  # a reader started
+            # the readers started (one for each lane, if it has two)
+            await asyncio.gather(reader.read(match_query, [JUNK]), reader.read(placement, [PLACEMENT]))
             matches = [asyncio.create_task(reader.read(match_query, [JUNK])) for _ in range(flood)]
             for task in matches:
                 task.add_done_callback(lambda _: order.append("match"))
@@ -232,12 +233,17 @@ def test_the_pool_starts_its_children_as_bodies_need_them_up_to_its_size():
             await reader.read(match_query, [JUNK])
             counts.append(len(reader.children))
             await asyncio.gather(*(reader.read(match_query, [JUNK]) for _ in range(6)))
+            counts.append(len(reader.children))  # matches leave the last child to writes
+            await asyncio.gather(*(reader.read(match_query, [JUNK]) for _ in range(6)),
+                                 reader.read(placement, [PLACEMENT]))
+            counts.append(len(reader.children))
+            await asyncio.gather(*(reader.read(placement, [PLACEMENT]) for _ in range(6)))
             counts.append(len(reader.children))
             return counts
         finally:
             await reader.close()
 
-    assert asyncio.run(run()) == [0, 0, 1, 2]
+    assert asyncio.run(run()) == [0, 0, 1, 1, 2, 2]
 
 
 def test_the_pool_is_sized_to_the_usable_cores_unless_set():
@@ -282,14 +288,14 @@ def test_the_readers_end_with_the_service_however_it_ends(tmp_path, how):
         import asyncio, os, sys
         import orjson
         from stream.config import Limits
-        from stream.http.bodies import match_query
+        from stream.http.bodies import match_query, placement
         from stream.http.body_reader import BodyReader
 
         async def main():
             reader = BodyReader(Limits(), inline_bytes=0, readers=2)
             body = orjson.dumps({"endpoints": ["ns/a"], "body": {"x": [{"k": 0}] * (1 << 20)}})
             asyncio.create_task(reader.read(match_query, [body]))
-            await reader.read(match_query, [b'{"endpoints": ["ns/a"], "body": {}}'])
+            await reader.read(placement, [b'{"endpoints": ["ns/a"], "items": []}'])
             print(" ".join(str(c.process.pid) for c in reader.children), flush=True)
             await asyncio.Event().wait()
 
