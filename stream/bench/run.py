@@ -83,6 +83,12 @@ def _scale3(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
                          1 if quick or scale else 3)
 
 
+def _big_bodies(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.big_bodies import big_body_figures
+
+    return big_body_figures(bootstrap, 2 if scale else 5 if quick else 15, 1 if quick or scale else 3)
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -92,6 +98,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "state_poll": _state_poll,
     "failover": _failover,
     "scale3": _scale3,
+    "big_bodies": _big_bodies,
 }
 
 
