@@ -192,7 +192,7 @@ def big_body_figures(bootstrap: str, seconds: float, runs: int) -> list[Figure]:
     value, control = statistics.median(flooded), statistics.median(alone)
     answers = ", ".join(f"{count} x {status}" for status, count in sorted(flood_answers.items())) or "none"
     return [Figure(
-        "placement p99 under a /v1/match flood", round(value, 1), "ms",
+        "placement_p99_under_match_flood", round(value, 1), "ms",
         f"<= {TARGET_MS:g} ms", value <= TARGET_MS and refused == 0, round(control, 1),
         round(value / control, 1) if control else None,
         f"a gateway's 300 kB placement (inline base64 image, read by the body reader pool), one "
