@@ -29,10 +29,11 @@ A connection answers its requests one at a time (``stream.http.server``), so it 
 more than one body here.
 
 Each child is started when a body finds no idle one and the pool is not full (a service
-that gets no big body never has one), reads frames from its stdin and answers on its
-stdout: it ends when its stdin closes, so it never outlives the service (killed or not) by
-more than the body it reads. If it dies, the body it held is read again by a new one (a
-503 if that one dies too).
+that gets no big body never has one), and stopped once it has been idle ``IDLE_S`` while
+another is idle too (a burst on a many-core machine leaves one child, not one per core).
+It reads frames from its stdin and answers on its stdout: it ends when its stdin closes,
+so it never outlives the service (killed or not) by more than the body it reads. If it
+dies, the body it held is read again by a new one (a 503 if that one dies too).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ INLINE_VALUES = 8192
 #: test machine, so a child that takes this long is stuck; either way the request is
 #: answered (503 at worst) within twice this, CONTRACT's 5 s.
 DEADLINE_S = 2.5
+#: Seconds a child may stay idle beside another idle one before it is stopped (~40 MB each).
+IDLE_S = 60.0
 
 #: Bytes written to the child a turn of the loop. One write of a whole 16 MiB body to a
 #: pipe that the child drains as it fills copied for ~10 ms in one call (20-40 ms of
@@ -127,12 +130,14 @@ class BodyReader:
 
     def __init__(self, limits: Limits, inline_bytes: int = INLINE_BYTES,
                  inline_values: int = INLINE_VALUES, readers: int | None = None,
-                 deadline_s: float = DEADLINE_S) -> None:
+                 deadline_s: float = DEADLINE_S, idle_s: float = IDLE_S) -> None:
         self.limits = limits
         self.inline_bytes = inline_bytes
         self.inline_values = inline_values
         self.readers = readers or usable_cores()
         self.deadline_s = deadline_s
+        self.idle_s = idle_s
+        self._trimming: asyncio.TimerHandle | None = None
         self.children: set[_Child] = set()  # started and not yet stopped
         self._idle: list[_Child] = []
         self._busy = 0  # bodies handed to a child (or to one starting)
@@ -312,6 +317,9 @@ class BodyReader:
                     self._drop(child)
                 else:
                     self._idle.append(child)
+                    child.idle_since = asyncio.get_running_loop().time()
+                    if self._trimming is None and len(self._idle) > 1:
+                        self._trimming = asyncio.get_running_loop().call_later(self.idle_s, self._trim)
             self._dispatch()
 
     def _expire(self, body: _Body) -> None:
@@ -333,6 +341,22 @@ class BodyReader:
                         "replaced", child.process.pid, self.deadline_s)
             self._drop(child)
 
+    def _trim(self) -> None:
+        """Stop the children idle ``idle_s`` or longer, but the one idle the shortest."""
+        self._trimming = None
+        if self._closed or len(self._idle) < 2:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        *older, newest = sorted(self._idle, key=lambda child: child.idle_since)
+        for child in older:
+            if now - child.idle_since >= self.idle_s:
+                self._idle.remove(child)
+                self._drop(child)
+        if len(self._idle) > 1:
+            first = min(child.idle_since for child in self._idle if child is not newest)
+            self._trimming = loop.call_later(max(0.0, first + self.idle_s - now), self._trim)
+
     def _drop(self, child: _Child) -> None:
         """Kill a child and reap it, in the background (``close`` waits for it)."""
         if child in self.children:
@@ -345,6 +369,8 @@ class BodyReader:
         """Stop every child (the application's cleanup: no request is in flight any more);
         a body still waiting or being read is answered 503."""
         self._closed = True
+        if self._trimming is not None:
+            self._trimming.cancel()
         for lane in LANES:
             for waiting in self._waiting[lane].values():
                 for body in waiting:
@@ -412,6 +438,7 @@ class _Child:
         self.requests = requests
         self.pending: deque[asyncio.Future[Any]] = deque()
         self.dead = False
+        self.idle_since = 0.0  # the loop's time it last went idle
         self._writing = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()
         self._answers = asyncio.get_running_loop().create_task(self._read_answers(answers))

@@ -246,6 +246,27 @@ def test_the_pool_starts_its_children_as_bodies_need_them_up_to_its_size():
     assert asyncio.run(run()) == [0, 0, 1, 1, 2, 2]
 
 
+def test_children_idle_beside_another_idle_one_are_stopped_down_to_one():
+    async def run() -> tuple[int, int, int]:
+        reader = BodyReader(LIMITS, readers=3, idle_s=0.3)
+        try:
+            await asyncio.gather(reader.read(match_query, [JUNK]), reader.read(match_query, [JUNK]),
+                                 reader.read(placement, [PLACEMENT]))
+            started = len(reader.children)
+            pids = {child.process.pid for child in reader.children}
+            await until_true(lambda: len(reader.children) == 1)
+            await until_true(lambda: sum(map(alive, pids)) == 1)
+            await reader.read(match_query, [JUNK])  # the one left reads
+            kept = len(reader.children)
+            await asyncio.gather(*(reader.read(match_query, [JUNK]) for _ in range(3)),
+                                 reader.read(placement, [PLACEMENT]))
+            return started, kept, len(reader.children)
+        finally:
+            await reader.close()
+
+    assert asyncio.run(run()) == (3, 1, 3)
+
+
 def test_the_pool_is_sized_to_the_usable_cores_unless_set():
     assert BodyReader(LIMITS).readers == len(os.sched_getaffinity(0)) == body_reader.usable_cores()
     assert BodyReader(LIMITS, readers=3).readers == 3
