@@ -338,3 +338,18 @@ def test_the_readers_end_with_the_service_however_it_ends(tmp_path, how):
         if service.poll() is None:
             service.kill()
             service.wait()
+
+
+def test_the_pool_settings_come_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    from pydantic import ValidationError
+
+    from stream.config import Settings, describe_validation_error
+
+    assert (Settings().body_readers, Settings().body_read_timeout_s) == (None, 2.5)
+    monkeypatch.setenv("MMCACHE_BODY_READERS", "3")
+    monkeypatch.setenv("MMCACHE_BODY_READ_TIMEOUT_S", "1.5")
+    assert (Settings().body_readers, Settings().body_read_timeout_s) == (3, 1.5)
+    monkeypatch.setenv("MMCACHE_BODY_READERS", "0")
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert "MMCACHE_BODY_READERS" in describe_validation_error(refused.value)
