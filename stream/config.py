@@ -118,8 +118,9 @@ class Settings(BaseSettings):
     # child processes that read big request bodies at most (None: one per usable core)
     body_readers: int | None = Field(None, ge=1, le=1024)
     # seconds a big body may wait for a body reader, and again its reader may take to
-    # answer, before its request is answered 503 (a stuck reader is replaced)
-    body_read_timeout_s: float = Field(2.5, gt=0, le=60)
+    # answer (a new reader's start not counted), before its request is answered 503 (a
+    # stuck reader is replaced)
+    body_read_timeout_s: float = Field(4.0, gt=0, le=60)
     shutdown_timeout_s: float = Field(5.0, gt=0)
     # what the embedded broker's kept log holds of the event and dead-letter topics, as
     # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the

@@ -104,5 +104,5 @@ def test_big_bodies_scenario_measures_placements_under_the_flood_against_alone(b
     assert figure.ratio == pytest.approx(figure.value / figure.control, abs=0.06)
     assert "0 placements not 202" in figure.note
     assert figure.passed == (figure.value <= 1000)
-    assert "x 200" in figure.note or "x 503" in figure.note  # the flood was answered
+    assert "the junk matches' answers" in figure.note
     assert set(orjson.loads((tmp_path / "b.json").read_bytes())["figures"][0]) == KEYS
