@@ -354,3 +354,21 @@ def test_the_pool_settings_come_from_the_environment_and_a_bad_one_is_named(monk
     with pytest.raises(ValidationError) as refused:
         Settings()
     assert "MMCACHE_BODY_READERS" in describe_validation_error(refused.value)
+
+
+def test_a_new_readers_start_is_not_counted_in_its_bodys_deadline(tmp_path, monkeypatch):
+    """A reader that takes longer to start than the deadline (a loaded machine) still reads
+    the body: the deadline runs from when it is ready."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/sh\nsleep 1\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(body_reader.sys, "executable", str(slow))
+
+    async def run() -> list[str]:
+        reader = BodyReader(LIMITS, inline_bytes=0, readers=1, deadline_s=0.5)
+        try:
+            return (await reader.read(match_query, [big_match("a")])).endpoints
+        finally:
+            await reader.close()
+
+    assert asyncio.run(run()) == ["ns/a"]
