@@ -182,6 +182,9 @@ def _environment_only() -> str:
     """The settings that are environment variables only, with their defaults."""
     lines = ["settings from the environment only:"]
     for field, info in Limits.model_fields.items():
+        if field == "body_budget_bytes":
+            lines.append(f"  MMCACHE_{field.upper()} (default 4 x MMCACHE_MAX_BODY_BYTES)")
+            continue
         lines.append(f"  MMCACHE_{field.upper()} (default {info.default})")
     for name in ("replication_factor", "min_insync_replicas"):
         lines.append(f"  MMCACHE_{name.upper()} (default: 3 and 2 on 3 or more brokers, else 1 and 1)")

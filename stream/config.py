@@ -59,6 +59,25 @@ class Limits(BaseSettings):
     # facts (stored, removed, cleared) in one POST /v1/engine-events; its stored items and its
     # removed hashes are each bounded by max_items too
     max_engine_events: int = Field(1024, ge=1)
+    # open HTTP connections at most; a new one over it is closed at once (Redis' maxclients,
+    # nginx's worker_connections: see docs/http-api.md, "What all clients together hold")
+    max_connections: int = Field(4096, ge=1)
+    # bytes the request bodies in flight hold at most, over all connections; a body that
+    # would go over gets 503 server_busy (None: four bodies of max_body_bytes, 64 MiB)
+    body_budget_bytes: int | None = Field(None, ge=1)
+
+    @property
+    def body_budget(self) -> int:
+        """``body_budget_bytes``, or four bodies of ``max_body_bytes``."""
+        return 4 * self.max_body_bytes if self.body_budget_bytes is None else self.body_budget_bytes
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> Limits:
+        if self.body_budget < self.max_body_bytes:
+            raise ValueError(f"MMCACHE_BODY_BUDGET_BYTES ({self.body_budget}) must be at least "
+                             f"MMCACHE_MAX_BODY_BYTES ({self.max_body_bytes}): else a body within the "
+                             "limit could never be read")
+        return self
 
     @model_validator(mode="after")
     def _references_cover_items(self) -> Limits:
@@ -127,6 +146,10 @@ class Settings(BaseSettings):
     # changelog is compacted whatever these say (stream.kafka.log_cleaner)
     embedded_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
     embedded_retention_bytes: int = Field(128 * 1024 * 1024, ge=-1)
+    # the embedded broker (whose memory Tansu never frees) is started again on the
+    # compacted log once this much was written to the kept log since its start (-1: never;
+    # stream.kafka.rebase)
+    embedded_rebase_bytes: int = Field(256 * 1024 * 1024, ge=-1)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
@@ -144,7 +167,7 @@ class Settings(BaseSettings):
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
 
-    @field_validator("embedded_retention_ms", "embedded_retention_bytes")
+    @field_validator("embedded_retention_ms", "embedded_retention_bytes", "embedded_rebase_bytes")
     @classmethod
     def _retention(cls, value: int) -> int:
         if value == 0:

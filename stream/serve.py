@@ -86,6 +86,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
         f"{limits.max_references} media references, {limits.max_match_pairs} match pairs, "
         f"{limits.max_engine_events} engine events",
+        f"HTTP connections at most {limits.max_connections}, bodies in flight at most "
+        f"{limits.body_budget} bytes",
         f"log level {settings.log_level}",
     ]
     if resolved.plugin is not None:
@@ -128,7 +130,7 @@ def serve(resolved: Resolved) -> None:
     log the effective configuration, run Faust with a bound on its shutdown; then stop
     Faust, the log's journal and the broker, in that order."""
     from stream.kafka.fetcher import shorten_prefetch_backoff
-    from stream.kafka.tansu import apply_remedies, is_tansu_id
+    from stream.kafka.tansu import apply_remedies, is_tansu_id, refuse_topic_creation_by_metadata
     from stream.kafka.topics import changelog_topic, ensure_topics
     from stream.state.datadir import DataDir
     from stream.state.preload import LocalPreload
@@ -147,7 +149,7 @@ def serve(resolved: Resolved) -> None:
     if datadir.root.exists():
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     refuse_taken_port(settings.host, settings.port)
-    broker = journal = kept_log = keeper = None
+    embedded_cluster = keeper = None
     loop = new_event_loop()
     start_threads = ThreadPoolExecutor(thread_name_prefix="mmcache-start")
     loop.set_default_executor(start_threads)
@@ -164,8 +166,9 @@ def serve(resolved: Resolved) -> None:
         datadir.root.mkdir(parents=True, exist_ok=True)
         datadir.lock()
         if not bootstrap:
-            broker, kept_log = _start_embedded(loop, datadir, settings, starting)
-            bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
+            embedded_cluster = _start_embedded(loop, datadir, settings, starting)
+            bootstrap = embedded_cluster.broker.bootstrap_servers
+            cluster = embedded_cluster.broker.cluster_id
         # no thread may run when the local state's readers are forked (below): a new pool,
         # whose threads start when it is first used
         start_threads.shutdown(wait=True)
@@ -185,19 +188,21 @@ def serve(resolved: Resolved) -> None:
         embedded = is_tansu_id(cluster)
         if embedded:
             apply_remedies()
+        if embedded_cluster is not None:
+            refuse_topic_creation_by_metadata()  # its broker is started again under clients
         shorten_prefetch_backoff()
         try:
             partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
         except ValueError as exc:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
-        if kept_log is not None:
+        if embedded_cluster is not None:
             starting.reason = "starting the embedded broker's journal"
-            journal = loop.run_until_complete(asyncio.to_thread(
-                _keep_embedded_log, kept_log, bootstrap, settings, changelog, partitions))
+            loop.run_until_complete(asyncio.to_thread(
+                _keep_embedded_log, embedded_cluster, settings, changelog, partitions))
         starting.reason = "starting the worker"
-        log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
-                                               changelog))
+        log.info("%s", effective_configuration(resolved, bootstrap, embedded_cluster is not None,
+                                               partitions, changelog))
         if resolved.capacity_source == "default":
             log.warning(
                 "capacity is the Go plugin's default guess (%d items per endpoint), of the "
@@ -213,38 +218,37 @@ def serve(resolved: Resolved) -> None:
             )
         worker, keeper = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
-                              stored=None if journal is None else journal.wait_stored,
-                              log_problem=lambda: None if journal is None else journal.problem(),
+                              embedded_cluster=embedded_cluster,
                               listening=starting.handover)
         worker.logging_config = logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
         # only once the changelog holds their records, so they are never ahead of it. With
         # the embedded broker, only once the kept log holds that changelog too.
         guard_worker(worker, settings.shutdown_timeout_s,
-                     [lambda: _release(datadir, journal, 0.5)])
+                     [lambda: _release(datadir, embedded_cluster, 0.5)])
         worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
             if keeper is not None and keeper.view_is_stored:
                 _leave_snapshot(datadir, keeper.state)
-            _release(datadir, journal, settings.shutdown_timeout_s)
+            _release(datadir, embedded_cluster, settings.shutdown_timeout_s)
         raise
     finally:
         starting.close()  # a start that ended before the API took the port over
-        if journal is not None:
-            journal.stop()
-        if broker is not None:
-            broker.stop()
+        if embedded_cluster is not None:
+            embedded_cluster.stop()
 
 
 def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Settings,
-                    starting: StartingServer) -> tuple[EmbeddedBroker, Any]:
+                    starting: StartingServer) -> Any:
     """Start serve's own broker with the cluster id of the log the data dir keeps (a new
     one for a new dir) and give it that log back, compacted, at its own offsets; refuse a
-    dir built against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
+    dir built against another cluster. Returns them as an ``EmbeddedCluster`` (its journal
+    not started yet: the topics are made first)."""
     from stream.kafka.embedded_log import EmbeddedLog
-    from stream.kafka.log_cleaner import Retention, now_ms
-    from stream.state.store import applied_at
+    from stream.kafka.log_cleaner import Retention, compact, now_ms
+    from stream.kafka.rebase import EmbeddedCluster
+    from stream.state.store import admit_changelog, applied_at
 
     kept = datadir.embedded_cluster()  # refuses a state of another cluster first
     log_files = EmbeddedLog(datadir.log_root)
@@ -252,21 +256,21 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
     log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker (Tansu) on "
                 "%s for development; its log is kept in %s", broker.bootstrap_servers,
                 log_files.root)
+    retention = Retention(settings.embedded_retention_ms, settings.embedded_retention_bytes)
     try:
         if kept is None:
             log_files.create(broker.cluster_id)
         else:
             killed = datadir.running.exists() and not datadir.seed.exists()
-            retention = Retention(settings.embedded_retention_ms, settings.embedded_retention_bytes)
 
-            def compact() -> dict[tuple[str, int], Any]:
+            def compact_kept() -> dict[tuple[str, int], Any]:
                 if killed:  # its table files are dropped (claim)
                     log_files.cut_unfinished_changelogs(applied_at)
-                return log_files.compact(applied_at, _tombstones_through(datadir, killed),
-                                         retention, now_ms())
+                return compact(log_files, applied_at, admit_changelog,
+                               _tombstones_through(datadir, killed), retention, now_ms())
 
             starting.reason = "compacting the embedded broker's kept log"
-            plans = loop.run_until_complete(asyncio.to_thread(compact))  # the port answers meanwhile
+            plans = loop.run_until_complete(asyncio.to_thread(compact_kept))  # the port answers meanwhile
 
             def progress(done: int, total: int) -> None:
                 starting.reason = f"restoring the embedded broker's log: {done} of {total} records"
@@ -278,7 +282,7 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
     except BaseException:
         broker.stop()
         raise
-    return broker, log_files
+    return EmbeddedCluster(broker, log_files, [], retention, applied_at, admit_changelog)
 
 
 def _tombstones_through(datadir: Any, killed: bool) -> Any:
@@ -298,10 +302,8 @@ def _tombstones_through(datadir: Any, killed: bool) -> Any:
     return through
 
 
-def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, changelog: str,
-                       partitions: int) -> Any:
+def _keep_embedded_log(cluster: Any, settings: Settings, changelog: str, partitions: int) -> None:
     """Record the app's topics in the kept log and start its journal on them."""
-    from stream.kafka.embedded_log import Journal
     from stream.kafka.topics import (
         CHANGELOG_TOPIC_CONFIG,
         DEAD_LETTER_TOPIC_CONFIG,
@@ -311,13 +313,14 @@ def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, chang
     topics = {settings.events_topic: (partitions, EVENTS_TOPIC_CONFIG),
               changelog: (partitions, CHANGELOG_TOPIC_CONFIG),
               settings.dead_letter_topic: (partitions, DEAD_LETTER_TOPIC_CONFIG)}
-    kept = log_files.topics()
-    log_files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
-                            changelogs={changelog: settings.events_topic})
+    kept = cluster.files.topics()
+    cluster.files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
+                                changelogs={changelog: settings.events_topic})
+    cluster.topics = list(topics)
     try:
-        return Journal(log_files, bootstrap, list(topics)).start()
+        cluster.start_journal()
     except RuntimeError as exc:
-        raise SystemExit(f"cannot keep the embedded broker's log in {log_files.root}: "
+        raise SystemExit(f"cannot keep the embedded broker's log in {cluster.files.root}: "
                          f"{exc}") from None
 
 

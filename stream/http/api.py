@@ -181,8 +181,13 @@ class HttpApi:
         return ApiRoutes(table, self._unmatched, self.limits.max_body_bytes)
 
     def server(self) -> HttpServer:
-        """The HTTP server of these routes; closing it stops the body reader's child too."""
-        return HttpServer(self.routes(), on_close=self.bodies.close)
+        """The HTTP server of these routes, within the limits' connection cap and body
+        budget (its figures exported with the metrics); closing it stops the body
+        reader's child too."""
+        server = HttpServer(self.routes(), on_close=self.bodies.close,
+                            max_connections=self.limits.max_connections, body_budget=self.limits.body_budget)
+        self.metrics.http_server = server
+        return server
 
     def _endpoint(self, name: str, handler: Handler, tokens: TokenFile | None = None,
                   now: Now | None = None) -> Endpoint:

@@ -13,6 +13,8 @@ in between, and those waiting in the backlog are answered by the API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 import ssl
 
@@ -22,54 +24,76 @@ __all__ = ["StartingServer"]
 
 #: A request head longer than this is answered 431 and closed (probes send ~100 bytes).
 HEAD_BYTES = 8192
+#: How long a probe connection open at the handover may still take to send its request.
+HANDOVER_GRACE_S = 5.0
 
 _REASONS = {200: "OK", 400: "Bad Request", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
 
 
 class StartingServer:
-    """Answers probes on the service's port until the API takes the socket over."""
+    """Answers probes on the service's port until the API takes the sockets over."""
 
     def __init__(self) -> None:
         self.reason = "starting"
-        self._socket: socket.socket | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._sockets: list[socket.socket] = []
+        self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[asyncio.Transport] = set()
+        os.register_at_fork(after_in_child=self._close_in_child)
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
                     backlog: int = 1024) -> int:
-        """Listen on ``host:port`` and answer; return the port (the one chosen for 0)."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        """Listen on every address ``host`` names (as asyncio's ``create_server`` does) and
+        answer; return the port (the one chosen for 0). One line, not a traceback, when it
+        cannot listen."""
+        loop = asyncio.get_running_loop()
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(backlog)
-            sock.setblocking(False)
-            # the server gets a duplicate: closing it at the handover leaves this one listening
-            self._server = await asyncio.get_running_loop().create_server(
-                lambda: _Probe(self), sock=sock.dup(), ssl=ssl_context)
-        except BaseException:
-            sock.close()
-            raise
-        self._socket = sock
-        return int(sock.getsockname()[1])
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self._sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                if port == 0 and len(self._sockets) > 1:  # the port the first one got
+                    address = (address[0], self._sockets[0].getsockname()[1], *address[2:])
+                sock.bind(address)
+                sock.listen(backlog)
+                sock.setblocking(False)
+                # the server gets a duplicate: closing it at the handover leaves this one listening
+                self._servers.append(await loop.create_server(
+                    lambda: _Probe(self), sock=sock.dup(), ssl=ssl_context))
+        except OSError as exc:
+            self.close()
+            raise SystemExit(f"--host {host} --port {port}: cannot listen there "
+                             f"({exc.strerror or exc}): check --host and --port") from None
+        return int(self._sockets[0].getsockname()[1])
 
-    def handover(self) -> socket.socket | None:
-        """Stop answering and give the listening socket to the API (None if not started)."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for transport in list(self._connections):
-            transport.close()
-        sock, self._socket = self._socket, None
-        return sock
+    def handover(self) -> list[socket.socket] | None:
+        """Stop taking connections and give the listening sockets to the API (None if not
+        started); the probes being answered finish (those idle are closed after a while)."""
+        for server in self._servers:
+            server.close()
+        self._servers = []
+        if self._connections:
+            loop = asyncio.get_running_loop()
+            loop.call_later(HANDOVER_GRACE_S, lambda: [t.close() for t in list(self._connections)])
+        sockets, self._sockets = self._sockets, []
+        return sockets or None
 
     def close(self) -> None:
-        """Stop answering and close the socket (a start that failed)."""
-        sock = self.handover()
-        if sock is not None:
+        """Stop answering and close the sockets (a start that failed)."""
+        for sock in self.handover() or ():
             sock.close()
+
+    def _close_in_child(self) -> None:
+        """A forked child (the local state's readers) must not keep the port open."""
+        for sock in self._sockets:
+            sock.close()
+        for server in self._servers:
+            for sock in server.sockets:
+                with contextlib.suppress(OSError):
+                    os.close(sock.fileno())
 
     def answer(self, head: bytes) -> bytes:
         """The whole response to one request head."""

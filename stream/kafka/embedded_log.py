@@ -27,11 +27,12 @@ import asyncio
 import contextlib
 import errno
 import logging
+import mmap
 import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -40,20 +41,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from stream.kafka.log_cleaner import (
-    COMPACTING_SUFFIX,
-    Frame,
-    Retention,
-    compact_changelog,
-    mapped,
-    plan_events,
-    relocate,
-    rewrite,
-    scan,
-)
-
-__all__ = ["CLUSTER_FILE", "LOG_DIR_NAME", "EmbeddedLog", "Journal", "LogRecord", "RestoreFailed",
-           "is_log_entry"]
+__all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "EmbeddedLog", "Frame", "Journal",
+           "LogRecord", "RestoreFailed", "is_log_entry", "mapped", "scan"]
 
 LOG_DIR_NAME = "log"
 CLUSTER_FILE = "cluster.json"
@@ -62,6 +51,8 @@ _POSITION = struct.Struct(">qqb")
 _LENGTH = struct.Struct(">i")
 _COUNT = struct.Struct(">H")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+#: A partition file's new content while compaction writes it (renamed over it once whole).
+COMPACTING_SUFFIX = ".compacting"
 _PARTITION_FILE = re.compile(r"^\d+\.log(?:\.compacting)?$")
 _RESTORE_CHUNK = 5000
 _REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
@@ -142,22 +133,65 @@ def _decode_body(body: bytes) -> LogRecord:
 def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
     """The whole frames at the start of ``data`` and the length they take; a torn or
     corrupt frame (and all after it) is left out."""
-    records, ends = _frames(data)
-    return records, ends[-1] if ends else 0
+    frames, length = scan(data)
+    return [_decode_body(bytes(data[f.start + _FRAME.size:f.end])) for f in frames], length
 
 
-def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
-    """``read_frames`` with the position where each frame ends."""
-    records, ends, at = [], [], 0
-    while at + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, at)
-        body = data[at + _FRAME.size:at + _FRAME.size + length]
-        if len(body) < length or zlib.crc32(body) != crc:
-            break
-        records.append(_decode_body(body))
-        at += _FRAME.size + length
-        ends.append(at)
-    return records, ends
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Where one whole record lies in a partition file, and what compaction reads of it."""
+
+    start: int
+    end: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    tombstone: bool
+    value: bytes | None  # only when asked for (``scan(values=...)``)
+
+
+def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambda key: False,
+         ) -> tuple[list[Frame], int]:
+    """The whole frames at the start of ``data`` and the length they take; a torn or
+    corrupt frame (and all after it) is left out. Only the values of keys for which
+    ``values`` is true are copied (compaction mostly needs keys, not values)."""
+    frames: list[Frame] = []
+    at, size = 0, len(data)
+    view = memoryview(data)
+    header, position, length_of = _FRAME.size, _POSITION.size, _LENGTH.size
+    try:
+        while at + header <= size:
+            length, crc = _FRAME.unpack_from(data, at)
+            body = at + header
+            end = body + length
+            if end > size or zlib.crc32(view[body:end]) != crc:
+                break
+            offset, timestamp, _ = _POSITION.unpack_from(data, body)
+            cursor = body + position
+            (key_length,) = _LENGTH.unpack_from(data, cursor)
+            cursor += length_of
+            key = None if key_length < 0 else bytes(view[cursor:cursor + key_length])
+            cursor += max(key_length, 0)
+            (value_length,) = _LENGTH.unpack_from(data, cursor)
+            cursor += length_of
+            value = (bytes(view[cursor:cursor + value_length])
+                     if value_length >= 0 and values(key) else None)
+            frames.append(Frame(at, end, offset, timestamp, key, value_length < 0, value))
+            at = end
+    finally:
+        view.release()
+    return frames, at
+
+
+@contextlib.contextmanager
+def mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
+    """A partition file's bytes, mapped (not read into the process's memory): a log of
+    gigabytes costs page cache, not resident memory."""
+    if not path.exists() or path.stat().st_size == 0:
+        yield b""
+        return
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        yield data
 
 
 #: The applied offset a changelog record holds, ``None`` for any other record (the state's
@@ -166,7 +200,7 @@ def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
 AppliedAt = Callable[[bytes | None, bytes | None], int | None]
 
 
-def applied_prefix(records: list[LogRecord], end: int, applied_at: AppliedAt) -> int:
+def applied_prefix(records: Sequence[LogRecord | Frame], end: int, applied_at: AppliedAt) -> int:
     """How many of a changelog partition's records to keep when its event partition
     holds offsets below ``end`` only: up to its last applied-offset record below ``end``
     (before any at or past it). What follows may hold entries of events the kept log
@@ -282,57 +316,6 @@ class EmbeddedLog:
                         "just before a kill); the events it holds are applied again", cut)
         return cut
 
-    def compact(self, applied_at: AppliedAt, tombstones_through: Callable[[int], int],
-                retention: Retention, now_ms: int) -> dict[tuple[str, int], list[Frame]]:
-        """Compact the changelogs and apply the retention to the other topics, rewriting
-        each file that loses records (``stream.kafka.log_cleaner``); return, per (topic,
-        partition), the frames the new broker is to get. ``tombstones_through(p)``: the
-        changelog offset partition p's table file holds (its tombstones up to there are
-        dropped)."""
-        for leftover in self.root.glob(f"*/*.log{COMPACTING_SUFFIX}"):
-            leftover.unlink()  # a rewrite a kill interrupted: the old file is whole
-        topics = self.topics()
-        applied: dict[str, dict[int, int]] = {}
-        plans: dict[tuple[str, int], list[Frame]] = {}
-        dropped: dict[str, int] = {}
-        for name, spec in topics.items():  # changelogs first: they say what is applied
-            source = spec.get("applied_offsets_of")
-            if source is None:
-                continue
-            applied[source] = {}
-            for partition in range(int(spec["partitions"])):
-                path = self.partition_path(name, partition)
-                with mapped(path) as data:
-                    frames, length = scan(data, lambda key: _is_applied_key(applied_at, key))
-                    applied[source][partition] = max(
-                        (found for f in frames
-                         if (found := applied_at(f.key, f.value)) is not None), default=-1)
-                    kept = compact_changelog(frames, tombstones_through(partition))
-                    if len(kept) < len(frames) or length < len(data):
-                        rewrite(path, data, kept)
-                        kept = relocate(kept, kept)
-                dropped[name] = dropped.get(name, 0) + len(frames) - len(kept)
-                plans[(name, partition)] = kept
-        for name, spec in topics.items():
-            if spec.get("applied_offsets_of") is not None:
-                continue
-            for partition in range(int(spec["partitions"])):
-                path = self.partition_path(name, partition)
-                with mapped(path) as data:
-                    frames, length = scan(data)
-                    plan = plan_events(frames, retention, now_ms,
-                                       applied[name].get(partition, -1) if name in applied else None)
-                    to_broker = plan.to_broker
-                    if plan.dropped or length < len(data):
-                        rewrite(path, data, plan.kept)
-                        to_broker = relocate(plan.kept, to_broker)
-                dropped[name] = dropped.get(name, 0) + plan.dropped
-                plans[(name, partition)] = to_broker
-        if any(dropped.values()):
-            log.info("embedded broker's log compacted in %s: dropped %s", self.root,
-                     ", ".join(f"{topic} {n} records" for topic, n in dropped.items() if n))
-        return plans
-
     async def restore(self, bootstrap_servers: str, plans: dict[tuple[str, int], list[Frame]],
                       progress: Callable[[int, int], None] = lambda done, total: None,
                       ) -> dict[str, int]:
@@ -406,6 +389,7 @@ class Journal:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._refused: str | None = None  # why the files refuse writes now (a full disk)
+        self.appended_bytes = 0  # written to the files since the start (what a rebase waits for)
         self._thread = threading.Thread(target=self._main, name="embedded-log-journal", daemon=True)
 
     def start(self, timeout: float = 30.0) -> Journal:
@@ -592,6 +576,7 @@ class Journal:
             return False
         with self._lock:
             self._stored[(tp.topic, tp.partition)] = expected
+        self.appended_bytes += handle.tell() - start
         if self._refused is not None:
             log.warning("the embedded broker's log is kept again")
             self._refused = None

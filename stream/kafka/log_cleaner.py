@@ -29,24 +29,30 @@ that matters, and a leftover ``.compacting`` file is removed at the next start.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
-import struct
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["COMPACTING_SUFFIX", "Frame", "PartitionPlan", "Retention", "compact_changelog",
-           "mapped", "now_ms", "plan_events", "relocate", "rewrite", "scan"]
+from stream.kafka.embedded_log import (
+    COMPACTING_SUFFIX,
+    AppliedAt,
+    EmbeddedLog,
+    Frame,
+    mapped,
+    scan,
+)
 
-COMPACTING_SUFFIX = ".compacting"
-_FRAME = struct.Struct(">II")
-_POSITION = struct.Struct(">qqb")
-_LENGTH = struct.Struct(">i")
+__all__ = ["Admit", "PartitionPlan", "Retention", "compact", "compact_changelog", "compacting_path",
+           "now_ms", "plan_events", "relocate", "rewrite"]
+
+#: The changelog records every reader applies, in log order (``stream.state.store.ChangelogGate``,
+#: given by the caller: this package is below the state's): a batch written again after
+#: later ones (a resend, a zombie owner) is dropped by every reader, so by compaction too.
+Admit = Callable[[list[Frame]], list[Frame]]
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +62,8 @@ class Retention:
     """How much of the event and dead-letter topics the kept log holds: records younger
     than ``ms`` and, per partition, the newest ``bytes`` of frames (-1: no bound)."""
 
-    ms: int = 7 * 24 * 3600 * 1000
-    bytes: int = 128 * 1024 * 1024
+    ms: int
+    bytes: int
 
     def __post_init__(self) -> None:
         for name in ("ms", "bytes"):
@@ -67,63 +73,20 @@ class Retention:
                                  f"not {value}")
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """Where one whole record lies in a partition file, and what compaction reads of it."""
-
-    start: int
-    end: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    tombstone: bool
-    value: bytes | None  # only when asked for (``scan(values=...)``)
-
-
-def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambda key: False,
-         ) -> tuple[list[Frame], int]:
-    """The whole frames at the start of ``data`` and the length they take; a torn or
-    corrupt frame (and all after it) is left out. Only the values of keys for which
-    ``values`` is true are copied (compaction needs keys, not values)."""
-    frames: list[Frame] = []
-    at, size = 0, len(data)
-    view = memoryview(data)
-    try:
-        while at + 8 <= size:
-            length, crc = _FRAME.unpack_from(data, at)
-            body = at + 8
-            end = body + length
-            if end > size or zlib.crc32(view[body:end]) != crc:
-                break
-            offset, timestamp, _ = _POSITION.unpack_from(data, body)
-            cursor = body + 17
-            (key_length,) = _LENGTH.unpack_from(data, cursor)
-            cursor += 4
-            key = None if key_length < 0 else bytes(view[cursor:cursor + key_length])
-            cursor += max(key_length, 0)
-            (value_length,) = _LENGTH.unpack_from(data, cursor)
-            value = (bytes(view[cursor + 4:cursor + 4 + value_length])
-                     if value_length >= 0 and values(key) else None)
-            frames.append(Frame(at, end, offset, timestamp, key, value_length < 0, value))
-            at = end
-    finally:
-        view.release()
-    return frames, at
-
-
-def compact_changelog(frames: list[Frame], tombstones_through: int) -> list[Frame]:
-    """The frames Kafka's cleaner would keep: the latest of each key, less tombstones at
-    or below ``tombstones_through``; the last frame always (it holds the end offset)."""
-    latest: dict[bytes | None, int] = {}
-    for index, frame in enumerate(frames):
-        latest[frame.key if frame.key is not None else index.to_bytes(8, "big")] = index
-    last = len(frames) - 1
-    kept = []
-    for index, frame in enumerate(frames):
-        key = frame.key if frame.key is not None else index.to_bytes(8, "big")
-        if index == last or (latest[key] == index
-                             and not (frame.tombstone and frame.offset <= tombstones_through)):
-            kept.append(frame)
+def compact_changelog(frames: list[Frame], tombstones_through: int,
+                      admit: Admit = lambda frames: frames) -> list[Frame]:
+    """The frames Kafka's cleaner would keep, of those every reader applies (``admit``):
+    the latest of each key, less tombstones at or below ``tombstones_through``; and the
+    last frame, whatever it is (it holds the end offset; a reader drops it as before)."""
+    admitted = admit(frames)
+    latest: dict[bytes, Frame] = {}
+    for frame in admitted:
+        latest[frame.key if frame.key is not None else frame.offset.to_bytes(8, "big")] = frame
+    kept = sorted((frame for frame in latest.values()
+                   if not (frame.tombstone and frame.offset <= tombstones_through)),
+                  key=lambda frame: frame.offset)
+    if frames and (not kept or kept[-1].offset != frames[-1].offset):
+        kept.append(frames[-1])
     return kept
 
 
@@ -200,17 +163,58 @@ def rewrite(path: Path, data: bytes | mmap.mmap, kept: list[Frame],
     os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
-    """A partition file's bytes, mapped (not read into the process's memory): a log of
-    gigabytes costs page cache, not resident memory."""
-    if not path.exists() or path.stat().st_size == 0:
-        yield b""
-        return
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        yield data
-
-
 def now_ms() -> int:
     """The wall clock in ms, for the retention by age (record timestamps are wall clock)."""
     return int(time.time() * 1000)
+
+
+def compact(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
+            tombstones_through: Callable[[int], int], retention: Retention, now: int,
+            ) -> dict[tuple[str, int], list[Frame]]:
+    """Compact the kept log's changelogs and apply the retention to its other topics,
+    rewriting each file that loses records; return, per (topic, partition), the frames
+    the new broker is to get (``EmbeddedLog.restore``). ``tombstones_through(p)``: the
+    changelog offset partition p's table file holds (its tombstones up to there go)."""
+    for leftover in files.root.glob(f"*/*.log{COMPACTING_SUFFIX}"):
+        leftover.unlink()  # a rewrite a kill interrupted: the old file is whole
+    topics = files.topics()
+    applied: dict[str, dict[int, int]] = {}
+    plans: dict[tuple[str, int], list[Frame]] = {}
+    dropped: dict[str, int] = {}
+    for name, spec in topics.items():  # changelogs first: they say what is applied
+        source = spec.get("applied_offsets_of")
+        if source is None:
+            continue
+        applied[source] = {}
+        for partition in range(int(spec["partitions"])):
+            path = files.partition_path(name, partition)
+            with mapped(path) as data:
+                frames, length = scan(data, lambda key: True)
+                kept = compact_changelog(frames, tombstones_through(partition), admit)
+                applied[source][partition] = max(
+                    (found for frame in kept if (found := applied_at(frame.key, frame.value)) is not None),
+                    default=-1)
+                if len(kept) < len(frames) or length < len(data):
+                    rewrite(path, data, kept)
+                    kept = relocate(kept, kept)
+            dropped[name] = dropped.get(name, 0) + len(frames) - len(kept)
+            plans[(name, partition)] = kept
+    for name, spec in topics.items():
+        if spec.get("applied_offsets_of") is not None:
+            continue
+        for partition in range(int(spec["partitions"])):
+            path = files.partition_path(name, partition)
+            with mapped(path) as data:
+                frames, length = scan(data)
+                plan = plan_events(frames, retention, now,
+                                   applied[name].get(partition, -1) if name in applied else None)
+                to_broker = plan.to_broker
+                if plan.dropped or length < len(data):
+                    rewrite(path, data, plan.kept)
+                    to_broker = relocate(plan.kept, to_broker)
+            dropped[name] = dropped.get(name, 0) + plan.dropped
+            plans[(name, partition)] = to_broker
+    if any(dropped.values()):
+        log.info("embedded broker's log compacted in %s: dropped %s", files.root,
+                 ", ".join(f"{topic} {n} records" for topic, n in dropped.items() if n))
+    return plans

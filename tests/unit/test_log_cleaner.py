@@ -9,19 +9,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.kafka.embedded_log import EmbeddedLog, LogRecord, encode_frame
+from stream.core.lru import Entry
+from stream.kafka.embedded_log import COMPACTING_SUFFIX, EmbeddedLog, LogRecord, encode_frame, scan
 from stream.kafka.log_cleaner import (
-    COMPACTING_SUFFIX,
     Retention,
+    compact,
     compact_changelog,
     plan_events,
     relocate,
     rewrite,
-    scan,
 )
-from stream.state.store import APPLIED_KEY, applied_at, encode_applied
+from stream.state.store import (
+    APPLIED_KEY,
+    ChangelogGate,
+    admit_changelog,
+    applied_at,
+    encode_applied,
+    encode_entry,
+    entry_key,
+)
 
 CLUSTER = "mmcache-embedded-tansu-0123456789abcdef"
+KEY = entry_key("ns/e", "h")
+
+
+def _entry(event: int, index: int) -> bytes:
+    """An LRU entry's value, ranked by the event that wrote it."""
+    return encode_entry(Entry("ns/e", "h", 1, event, index))
 
 
 def _file(records: list[LogRecord]) -> bytes:
@@ -127,7 +141,7 @@ def test_keeping_everything_drops_nothing_and_dead_letters_go_to_the_broker_whol
 @pytest.mark.parametrize("bad", [0, -2])
 def test_a_retention_of_zero_or_below_minus_one_is_refused(bad):
     with pytest.raises(ValueError, match="-1"):
-        Retention(ms=bad)
+        Retention(ms=bad, bytes=-1)
 
 
 def test_a_rewrite_keeps_the_frames_whole_where_relocate_says(tmp_path):
@@ -156,27 +170,80 @@ def _kept_log(tmp_path, changelog: list[LogRecord], events: list[LogRecord]) -> 
 
 def test_compacting_the_kept_log_gives_the_broker_the_checkpoint_and_the_unapplied_events(tmp_path):
     events = _events(6)
-    changelog = [LogRecord(0, 1, 0, b"\x01e\x00h", b"v0"), LogRecord(1, 1, 0, APPLIED_KEY, encode_applied(1)),
-                 LogRecord(2, 1, 0, b"\x01e\x00h", b"v1"), LogRecord(3, 1, 0, APPLIED_KEY, encode_applied(3))]
+    changelog = [LogRecord(0, 1, 0, KEY, _entry(1, 0)), LogRecord(1, 1, 0, APPLIED_KEY, encode_applied(1)),
+                 LogRecord(2, 1, 0, KEY, _entry(3, 0)), LogRecord(3, 1, 0, APPLIED_KEY, encode_applied(3))]
     files = _kept_log(tmp_path, changelog, events)
-    plans = files.compact(applied_at, lambda partition: 2**62, Retention(ms=-1, bytes=-1), 10**15)
+    plans = compact(files, applied_at, admit_changelog, lambda partition: 2**62, Retention(ms=-1, bytes=-1),
+                    10**15)
     assert [f.offset for f in plans[("app-changelog", 0)]] == [2, 3]
     assert [f.offset for f in plans[("app-events", 0)]] == [4, 5]  # after the applied offset 3
     assert [r.offset for r in files.records("app-changelog", 0)] == [2, 3]  # rewritten on disk
     assert [r.offset for r in files.records("app-events", 0)] == list(range(6))  # within retention
     # the planned positions are those of the rewritten files
-    assert [files.records("app-changelog", 0)[i].value for i in range(2)] == [b"v1", encode_applied(3)]
+    assert [files.records("app-changelog", 0)[i].value for i in range(2)] == [_entry(3, 0), encode_applied(3)]
 
 
 def test_a_rewrite_a_kill_interrupted_is_removed_and_the_old_file_is_whole(tmp_path):
     events = _events(3)
-    changelog = [LogRecord(0, 1, 0, b"k", b"1"), LogRecord(1, 1, 0, b"k", b"2"),
+    changelog = [LogRecord(0, 1, 0, KEY, _entry(1, 0)), LogRecord(1, 1, 0, KEY, _entry(2, 0)),
                  LogRecord(2, 1, 0, APPLIED_KEY, encode_applied(2))]
     files = _kept_log(tmp_path, changelog, events)
     path = files.partition_path("app-changelog", 0)
     torn = path.with_name(path.name + COMPACTING_SUFFIX)
     torn.write_bytes(_file(changelog[1:])[:-5])  # killed while writing the new file
-    plans = files.compact(applied_at, lambda partition: 2**62, Retention(), 10**15)
+    plans = compact(files, applied_at, admit_changelog, lambda partition: 2**62,
+                    Retention(ms=-1, bytes=-1), 10**15)
     assert not torn.exists()
     assert [f.offset for f in plans[("app-changelog", 0)]] == [1, 2]
-    assert [r.value for r in files.records("app-changelog", 0)] == [b"2", encode_applied(2)]
+    assert [r.value for r in files.records("app-changelog", 0)] == [_entry(2, 0), encode_applied(2)]
+
+
+def _gated_table(records: list[LogRecord]) -> dict:
+    """What every reader of the changelog reaches: the records the gate admits, applied."""
+    admitted = ChangelogGate().admit((r.key, r.value, r) for r in records)
+    return _table(admitted)
+
+
+def test_a_batch_written_again_after_later_ones_is_not_what_compaction_keeps():
+    """A resent batch (a producer's retry, a zombie owner) is dropped by every reader
+    (ChangelogGate); compaction must not make it a key's latest record."""
+    k3 = entry_key("ns/e", "k3")
+    other = entry_key("ns/e", "k")
+    records = [
+        LogRecord(8, 1, 0, other, _entry(4, 0)), LogRecord(9, 1, 0, APPLIED_KEY, encode_applied(4)),
+        LogRecord(10, 1, 0, k3, None), LogRecord(11, 1, 0, APPLIED_KEY, encode_applied(5)),
+        LogRecord(12, 1, 0, k3, _entry(6, 0)), LogRecord(13, 1, 0, APPLIED_KEY, encode_applied(6)),
+        LogRecord(14, 1, 0, k3, None), LogRecord(15, 1, 0, APPLIED_KEY, encode_applied(5)),  # resent
+        LogRecord(16, 1, 0, other, _entry(7, 0)), LogRecord(17, 1, 0, APPLIED_KEY, encode_applied(7)),
+    ]
+    frames, _ = scan(_file(records), lambda key: True)
+    kept = {f.offset for f in compact_changelog(frames, 2**62, admit_changelog)}
+    compacted = [r for r in records if r.offset in kept]
+    assert _gated_table(compacted) == _gated_table(records)
+    assert k3 in _gated_table(compacted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"k1", b"k2", b"k3"]), st.booleans(), st.integers(0, 2)),
+                min_size=1, max_size=12))
+def test_compaction_keeps_what_the_gate_admits_whatever_is_written_again(batches):
+    """Batches of events, some written again later (the gate drops them): a reader of the
+    compacted changelog reaches the table a reader of the whole one reaches."""
+    records, offset, event = [], 0, 0
+    written: list[list[LogRecord]] = []
+    for key, removes, again in batches:
+        if again and written:  # a batch of an earlier event, written again
+            batch = written[-1 - min(again, len(written)) + 1]
+        else:
+            event += 1
+            hashed = entry_key("ns/e", key.decode())
+            batch = [LogRecord(0, 1, 0, hashed, None if removes else _entry(event, 0)),
+                     LogRecord(0, 1, 0, APPLIED_KEY, encode_applied(event))]
+            written.append(batch)
+        for record in batch:
+            records.append(LogRecord(offset, 1, 0, record.key, record.value))
+            offset += 1
+    frames, _ = scan(_file(records), lambda key: True)
+    for through in (-1, 2**62):
+        kept = {f.offset for f in compact_changelog(frames, through, admit_changelog)}
+        assert _gated_table([r for r in records if r.offset in kept]) == _gated_table(records)
