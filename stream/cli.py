@@ -189,6 +189,8 @@ def _environment_only() -> str:
     for name in ("replication_factor", "min_insync_replicas"):
         lines.append(f"  MMCACHE_{name.upper()} (default: 3 and 2 on 3 or more brokers, else 1 and 1)")
     lines.append(f"  MMCACHE_MAX_WRITES_IN_FLIGHT (default {_default(Settings, 'max_writes_in_flight')})")
+    lines.append("  MMCACHE_BODY_READERS (default: the usable cores, os.sched_getaffinity)")
+    lines.append(f"  MMCACHE_BODY_READ_TIMEOUT_S (default {_default(Settings, 'body_read_timeout_s')})")
     bound = _default(Settings, "engine_view_max_entries")
     lines.append(f"  MMCACHE_ENGINE_VIEW_MAX_ENTRIES (default {bound}; give rebuild the same)")
     for field, info in KafkaSecurity.model_fields.items():

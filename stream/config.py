@@ -134,6 +134,12 @@ class Settings(BaseSettings):
     cache_size_embeddings_per_server: int | None = None
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
+    # child processes that read big request bodies at most (None: one per usable core)
+    body_readers: int | None = Field(None, ge=1, le=1024)
+    # seconds a big body may wait for a body reader, and again its reader may take to
+    # answer (a new reader's start not counted), before its request is answered 503 (a
+    # stuck reader is replaced)
+    body_read_timeout_s: float = Field(4.0, gt=0, le=60)
     shutdown_timeout_s: float = Field(5.0, gt=0)
     # what the embedded broker's kept log holds of the event and dead-letter topics, as
     # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the

@@ -18,6 +18,7 @@ from stream.compiled import warn_stale
 from stream.config import Resolved, Settings
 from stream.event_loop import new_event_loop
 from stream.http.auth import refuse_open_writes
+from stream.http.body_reader import usable_cores
 from stream.http.server import tls_context
 from stream.http.starting import StartingServer
 from stream.kafka.embedded import EmbeddedBroker
@@ -73,6 +74,9 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
                                  if settings.match_auth_token_file else "off"),
         f"produce timeout {settings.produce_timeout_s:g} s",
         f"shutdown timeout {settings.shutdown_timeout_s:g} s",
+        f"body readers {settings.body_readers or usable_cores()}"
+        f"{'' if settings.body_readers else ' (the usable cores)'}, "
+        f"{settings.body_read_timeout_s:g} s a big body",
         "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
         f"match source {settings.match_source}, engine views of at most "
         f"{settings.engine_view_max_entries} entries",

@@ -90,6 +90,12 @@ def _scale3(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
                          1 if quick or scale else 3)
 
 
+def _big_bodies(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.big_bodies import big_body_figures
+
+    return big_body_figures(bootstrap, 2 if scale else 5 if quick else 15, 1 if quick or scale else 3)
+
+
 def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.soak import soak_figures
 
@@ -106,6 +112,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "body_attack": _body_attack,
     "failover": _failover,
     "scale3": _scale3,
+    "big_bodies": _big_bodies,
     "soak": _soak,
 }
 

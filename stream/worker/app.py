@@ -444,7 +444,8 @@ def build_worker(
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.report,
                   write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
                   match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"),
-                  match_source=settings.match_source)
+                  match_source=settings.match_source, body_readers=settings.body_readers,
+                  body_read_timeout_s=settings.body_read_timeout_s)
     http = HttpService(api, settings.host, settings.port,
                        tls_context(settings.tls_cert, settings.tls_key), listening)
     services: list[mode.Service] = [http, follower, probe, StartTask(ready_from_local_files)]
