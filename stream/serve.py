@@ -264,10 +264,9 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
             killed = datadir.running.exists() and not datadir.seed.exists()
 
             def compact_kept() -> dict[tuple[str, int], Any]:
-                if killed:  # its table files are dropped (claim)
-                    log_files.cut_unfinished_changelogs(applied_at)
+                # killed: its table files are dropped (claim), its changelog cut first
                 return compact(log_files, applied_at, admit_changelog,
-                               _tombstones_through(datadir, killed), retention, now_ms())
+                               _tombstones_through(datadir, killed), retention, now_ms(), killed)
 
             starting.reason = "compacting the embedded broker's kept log"
             plans = loop.run_until_complete(asyncio.to_thread(compact_kept))  # the port answers meanwhile

@@ -223,6 +223,14 @@ class EmbeddedLog:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.meta = root / CLUSTER_FILE
+        # (topic, partition) -> (length, next offset) of a file this process read whole and
+        # did not write since: opening it for appending need not read it again
+        self._known: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def remember(self, topic: str, partition: int, length: int, next_offset: int) -> None:
+        """Note what a whole read of a partition's file found (``open_for_append`` trusts
+        it while the file has that length)."""
+        self._known[(topic, partition)] = (length, next_offset)
 
     def exists(self) -> bool:
         """Whether the dir holds a kept log (its cluster file)."""
@@ -278,44 +286,22 @@ class EmbeddedLog:
         """The partition's file, cut after its last whole frame, and the next offset."""
         path = self.partition_path(topic, partition)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with mapped(path) as data:
-            frames, length = scan(data)
-            size = len(data)
+        known = self._known.pop((topic, partition), None)
+        size = path.stat().st_size if path.exists() else 0
+        if known is not None and known[0] == size:
+            length, next_offset = known
+        else:
+            with mapped(path) as data:
+                frames, length = scan(data)
+                size = len(data)
+            next_offset = frames[-1].offset + 1 if frames else 0
         if length < size:
             log.warning("%s: cutting off %d bytes of a record written when the process was "
                         "killed (never acknowledged)", path, size - length)
         handle = open(path, "r+b" if path.exists() else "w+b", buffering=0)  # noqa: SIM115
         handle.truncate(length)
         handle.seek(length)
-        return handle, (frames[-1].offset + 1 if frames else 0)
-
-    def cut_unfinished_changelogs(self, applied_at: AppliedAt) -> int:
-        """After a kill: cut each changelog partition after its last applied-offset record
-        whose event the kept log holds (``applied_prefix``); return the records cut. The
-        table files are dropped after a kill anyway, so they restore from what is kept."""
-        cut = 0
-        for name, spec in self.topics().items():
-            source = spec.get("applied_offsets_of")
-            if source is None:
-                continue
-            for partition in range(int(spec["partitions"])):
-                with mapped(self.partition_path(source, partition)) as data:
-                    events = scan(data)[0]
-                end = events[-1].offset + 1 if events else 0
-                path = self.partition_path(name, partition)
-                if not path.exists():
-                    continue
-                with mapped(path) as data:
-                    frames = scan(data, lambda key: _is_applied_key(applied_at, key))[0]
-                keep = applied_prefix(frames, end, applied_at)
-                if keep < len(frames):
-                    with open(path, "r+b") as handle:
-                        handle.truncate(frames[keep - 1].end if keep else 0)
-                    cut += len(frames) - keep
-        if cut:
-            log.warning("cut %d changelog records past what the kept event log holds (written "
-                        "just before a kill); the events it holds are applied again", cut)
-        return cut
+        return handle, next_offset
 
     async def restore(self, bootstrap_servers: str, plans: dict[tuple[str, int], list[Frame]],
                       progress: Callable[[int, int], None] = lambda done, total: None,

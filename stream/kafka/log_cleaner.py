@@ -42,6 +42,7 @@ from stream.kafka.embedded_log import (
     AppliedAt,
     EmbeddedLog,
     Frame,
+    applied_prefix,
     mapped,
     scan,
 )
@@ -170,50 +171,69 @@ def now_ms() -> int:
 
 def compact(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
             tombstones_through: Callable[[int], int], retention: Retention, now: int,
-            ) -> dict[tuple[str, int], list[Frame]]:
+            killed: bool = False) -> dict[tuple[str, int], list[Frame]]:
     """Compact the kept log's changelogs and apply the retention to its other topics,
     rewriting each file that loses records; return, per (topic, partition), the frames
     the new broker is to get (``EmbeddedLog.restore``). ``tombstones_through(p)``: the
-    changelog offset partition p's table file holds (its tombstones up to there go)."""
+    changelog offset partition p's table file holds (its tombstones up to there go).
+    ``killed``: the last run was killed, so each changelog is first cut after its last
+    applied record whose event the kept events hold (``applied_prefix``: what follows may
+    hold entries of events the kept log lost, written just before the kill)."""
     for leftover in files.root.glob(f"*/*.log{COMPACTING_SUFFIX}"):
         leftover.unlink()  # a rewrite a kill interrupted: the old file is whole
     topics = files.topics()
-    applied: dict[str, dict[int, int]] = {}
+    changelogs = {spec["applied_offsets_of"]: name for name, spec in topics.items()
+                  if spec.get("applied_offsets_of") is not None}
     plans: dict[tuple[str, int], list[Frame]] = {}
     dropped: dict[str, int] = {}
-    for name, spec in topics.items():  # changelogs first: they say what is applied
-        source = spec.get("applied_offsets_of")
-        if source is None:
-            continue
-        applied[source] = {}
-        for partition in range(int(spec["partitions"])):
+    cut = 0
+
+    def retain(name: str, partition: int, data: bytes | mmap.mmap, frames: list[Frame],
+               length: int, applied: int | None) -> None:
+        plan = plan_events(frames, retention, now, applied)
+        to_broker = plan.to_broker
+        if plan.dropped or length < len(data):
             path = files.partition_path(name, partition)
-            with mapped(path) as data:
-                frames, length = scan(data, lambda key: True)
-                kept = compact_changelog(frames, tombstones_through(partition), admit)
-                applied[source][partition] = max(
-                    (found for frame in kept if (found := applied_at(frame.key, frame.value)) is not None),
-                    default=-1)
-                if len(kept) < len(frames) or length < len(data):
-                    rewrite(path, data, kept)
-                    kept = relocate(kept, kept)
-            dropped[name] = dropped.get(name, 0) + len(frames) - len(kept)
-            plans[(name, partition)] = kept
+            rewrite(path, data, plan.kept)
+            to_broker = relocate(plan.kept, to_broker)
+            length = sum(frame.end - frame.start for frame in plan.kept)
+        files.remember(name, partition, length, plan.kept[-1].offset + 1 if plan.kept else 0)
+        dropped[name] = dropped.get(name, 0) + plan.dropped
+        plans[(name, partition)] = to_broker
+
     for name, spec in topics.items():
         if spec.get("applied_offsets_of") is not None:
             continue
+        changelog = changelogs.get(name)
         for partition in range(int(spec["partitions"])):
-            path = files.partition_path(name, partition)
-            with mapped(path) as data:
-                frames, length = scan(data)
-                plan = plan_events(frames, retention, now,
-                                   applied[name].get(partition, -1) if name in applied else None)
-                to_broker = plan.to_broker
-                if plan.dropped or length < len(data):
-                    rewrite(path, data, plan.kept)
-                    to_broker = relocate(plan.kept, to_broker)
-            dropped[name] = dropped.get(name, 0) + plan.dropped
-            plans[(name, partition)] = to_broker
+            with mapped(files.partition_path(name, partition)) as events:
+                frames, length = scan(events)
+                if changelog is None:  # dead letters
+                    retain(name, partition, events, frames, length, None)
+                    continue
+                # the changelog first: it says what is applied, and so what to keep of these
+                path = files.partition_path(changelog, partition)
+                with mapped(path) as data:
+                    records, whole = scan(data, lambda key: True)
+                    unfinished = 0
+                    if killed:
+                        keep = applied_prefix(records, frames[-1].offset + 1 if frames else 0, applied_at)
+                        unfinished, records = len(records) - keep, records[:keep]
+                        cut += unfinished
+                    kept = compact_changelog(records, tombstones_through(partition), admit)
+                    applied = max((found for frame in kept
+                                   if (found := applied_at(frame.key, frame.value)) is not None), default=-1)
+                    if unfinished or len(kept) < len(records) or whole < len(data):
+                        rewrite(path, data, kept)
+                        kept = relocate(kept, kept)
+                        whole = kept[-1].end if kept else 0
+                files.remember(changelog, partition, whole, kept[-1].offset + 1 if kept else 0)
+                dropped[changelog] = dropped.get(changelog, 0) + len(records) - len(kept)
+                plans[(changelog, partition)] = kept
+                retain(name, partition, events, frames, length, applied)
+    if cut:
+        log.warning("cut %d changelog records past what the kept event log holds (written "
+                    "just before a kill); the events it holds are applied again", cut)
     if any(dropped.values()):
         log.info("embedded broker's log compacted in %s: dropped %s", files.root,
                  ", ".join(f"{topic} {n} records" for topic, n in dropped.items() if n))
