@@ -149,7 +149,7 @@ class Settings(BaseSettings):
     # the embedded broker (whose memory Tansu never frees) is started again on the
     # compacted log once this much was written to the kept log since its start (-1: never;
     # stream.kafka.rebase)
-    embedded_rebase_bytes: int = Field(256 * 1024 * 1024, ge=-1)
+    embedded_rebase_bytes: int = Field(64 * 1024 * 1024, ge=-1)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
