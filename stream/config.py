@@ -150,6 +150,11 @@ class Settings(BaseSettings):
     # one, else its LRU), estimate (always the LRU), engine (always the engine view; an
     # endpoint that never reported holds nothing)
     match_source: Literal["auto", "estimate", "engine"] = "auto"
+    # rebuild: the changelog holding the checkpoint a partition whose oldest events were
+    # trimmed starts from (None: '<app_id>-lru-changelog'), and whether every partition
+    # starts from its checkpoint, trimmed or not
+    checkpoint_topic: str | None = None
+    from_checkpoint: bool = False
     # entries one engine view holds at most (a bound of the fold: give rebuild the same)
     engine_view_max_entries: int = Field(ENGINE_VIEW_ENTRIES, ge=1)
     auth_token_file: Path | None = None
