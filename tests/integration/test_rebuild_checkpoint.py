@@ -5,7 +5,8 @@ dir is one `serve` takes over.
 
 Tansu has no DeleteRecords and never compacts, so the trimmed copy of a live service's
 log is written to a fresh broker as raw record batches whose offset deltas leave the
-gaps: Tansu keeps the deltas (base offset = its high watermark)."""
+gaps (``stream.kafka.batches``): Tansu keeps them. The embedded default gives its broker
+such a log itself after a restart (``stream.kafka.log_cleaner``)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-from aiokafka.client import AIOKafkaClient
-from aiokafka.protocol.produce import ProduceRequest
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import TopicPartition
 
+from stream.kafka.batches import RawPartitionWriter
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, changelog_topic, ensure_topic
 from stream.state.store import APPLIED_KEY, decode_applied
-from tests.integration.conftest import Service, eventually
+from tests.integration.conftest import Service, eventually, http
+from tests.integration.test_log_compaction import Serve
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,7 @@ class Kept:
     """One record as the broker holds it."""
 
     offset: int
-    timestamp: int
+    timestamp_ms: int
     key: bytes | None
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...]
@@ -66,32 +67,6 @@ async def _read_all(bootstrap: str, topic: str) -> dict[int, list[Kept]]:
         await consumer.stop()
 
 
-async def _produce_at_offsets(bootstrap: str, topic: str, records: dict[int, list[Kept]]) -> None:
-    """Write each partition's records to an empty partition at their own offsets: one
-    raw batch whose offset deltas are the offsets (Tansu gives it base offset 0, its high
-    watermark, and keeps the deltas)."""
-    client = AIOKafkaClient(bootstrap_servers=bootstrap)
-    await client.bootstrap()
-    try:
-        await client.force_metadata_update()
-        for partition, kept in records.items():
-            if not kept:
-                continue
-            batch = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=0,
-                                              producer_id=-1, producer_epoch=-1,
-                                              base_sequence=-1, batch_size=1 << 24)
-            for record in kept:
-                assert batch.append(record.offset, record.timestamp, record.key, record.value,
-                                    list(record.headers)) is not None
-            node = client.cluster.leader_for_partition(TopicPartition(topic, partition))
-            answer = await client.send(node, ProduceRequest(
-                None, -1, 5000, [(topic, [(partition, bytes(batch.build()))])]))
-            (_, [(_, error, base, *_)]), = answer.topics
-            assert (error, base) == (0, 0), answer
-    finally:
-        await client.close()
-
-
 def compacted(records: list[Kept]) -> list[Kept]:
     """Kafka's compaction: the latest record of each key, in log order, at its offset."""
     last = {r.key: r.offset for r in records}
@@ -110,30 +85,31 @@ def _rebuild(bootstrap: str, target: Path, *extra: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def _traffic(service: Service) -> None:
+def _traffic(url: str) -> None:
     """Placements with evictions, engine reports (stored, removed, cleared), deletions and
     syncs, one request at a time (each its own batch: one applied record an event)."""
+    def post(path: str, body: object) -> int:
+        return int(http("POST", url + path, body)[0])
+
     pods = [f"ns/kept-{i}" for i in range(6)]
     for round_ in range(6):
         for i, pod in enumerate(pods):
             items = [{"hash": f"r{round_}-{i}-{j}", "size": 1, "modality": "image"}
                      for j in range(2)] + [{"hash": f"shared-{(i + round_) % 4}", "size": 1,
                                             "modality": "image"}]
-            assert service.post("/v1/placements", {"endpoints": [pod], "items": items})[0] == 202
+            assert post("/v1/placements", {"endpoints": [pod], "items": items}) == 202
             stored = [{"hash": f"e{round_}-{i}", "size": 2 + i, "modality": "image"}]
             events = [{"type": "stored", "items": stored}]
             if round_ % 2:
                 events.append({"type": "removed", "hashes": [f"e{round_ - 1}-{i}"]})
             if round_ == 3 and i == 2:
                 events = [{"type": "cleared"}]
-            assert service.post("/v1/engine-events", {"endpoint": pod, "engine": "vllm",
-                                                      "events": events})[0] == 202
+            assert post("/v1/engine-events", {"endpoint": pod, "engine": "vllm",
+                                              "events": events}) == 202
         if round_ == 2:
-            assert service.post("/v1/endpoint-events",
-                                {"type": "deleted", "endpoint": pods[round_]})[0] == 202
+            assert post("/v1/endpoint-events", {"type": "deleted", "endpoint": pods[round_]}) == 202
         if round_ == 4:
-            assert service.post("/v1/endpoint-events",
-                                {"type": "sync", "live": pods[:5]})[0] == 202
+            assert post("/v1/endpoint-events", {"type": "sync", "live": pods[:5]}) == 202
 
 
 def _settled_digest(service: Service) -> str:
@@ -185,7 +161,7 @@ def test_rebuild_from_a_trimmed_log_and_a_compacted_changelog_gives_the_live_dig
     if asyncio.run(is_tansu(bootstrap)):
         apply_remedies()  # end offsets from a fetch, for this process's clients on Tansu
     live = make_service(extra=[*CAPACITY, "--partitions", str(PARTITIONS)])
-    _traffic(live)
+    _traffic(live.url)
     topic, changelog = f"{live.app_id}-events", changelog_topic(live.app_id)
     events, written = eventually(lambda: _applied_all(live.bootstrap, topic, changelog), timeout=60)
     digest = _settled_digest(live)
@@ -202,8 +178,10 @@ def test_rebuild_from_a_trimmed_log_and_a_compacted_changelog_gives_the_live_dig
         async def copy() -> None:
             await ensure_topic(bootstrap, topic, PARTITIONS, {})
             await ensure_topic(bootstrap, changelog, PARTITIONS, CHANGELOG_TOPIC_CONFIG)
-            await _produce_at_offsets(bootstrap, topic, kept_events)
-            await _produce_at_offsets(bootstrap, changelog, kept_changelog)
+            async with RawPartitionWriter(bootstrap) as writer:
+                for partition in range(PARTITIONS):
+                    await writer.write(topic, partition, kept_events[partition])
+                    await writer.write(changelog, partition, kept_changelog[partition])
 
         asyncio.run(copy())
         assert asyncio.run(_read_all(bootstrap, topic)) == kept_events  # offsets preserved
@@ -236,3 +214,57 @@ def test_rebuild_from_a_trimmed_log_and_a_compacted_changelog_gives_the_live_dig
         finally:
             if new.process is not None:
                 new.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def serves(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Serve]]:
+    """Embedded-default serves (no --bootstrap-servers), killed at the end; their logs
+    printed when the test failed."""
+    started: list[Serve] = []
+
+    def make(data: Path, *flags: str) -> Serve:
+        service = Serve(data, tmp_path / f"serve-{len(started)}.log", *flags).start()
+        started.append(service)
+        service.wait_ready()
+        return service
+
+    yield make
+    failed = getattr(request.node, "report_call", None)
+    for service in started:
+        if failed is not None and failed.failed:
+            print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
+        if service.process is not None:
+            service.stop(signal.SIGKILL)
+
+
+def _caught_up_digest(service: Serve) -> str:
+    """The digest once the view holds every event of the embedded broker's log."""
+    bootstrap = service.bootstrap()
+    apply_remedies()  # the embedded broker is Tansu
+    eventually(lambda: _applied_all(bootstrap, "mmcache-events", "mmcache-lru-changelog"),
+               timeout=60)
+    return service.settled_digest()
+
+
+def test_rebuild_of_the_embedded_default_after_a_restart_gives_the_live_digest(serves, tmp_path):
+    """A restart gives the embedded broker the compacted changelog and only the events
+    after the state's applied offset (``stream.kafka.log_cleaner``): `rebuild` against it
+    starts each partition from the changelog's checkpoint and gives the live digest."""
+    data = tmp_path / "data"
+    first = serves(data, *CAPACITY)
+    _traffic(first.url)
+    _caught_up_digest(first)
+    assert first.stop(signal.SIGTERM) == 0
+    again = serves(data, *CAPACITY)
+    for i in range(6):  # events after the restart, on top of the checkpoint
+        items = [{"hash": f"late-{i}", "size": 1, "modality": "image"}]
+        assert http("POST", again.url + "/v1/placements",
+                    {"endpoints": [f"ns/kept-{i}"], "items": items})[0] == 202
+    assert http("POST", again.url + "/v1/endpoint-events",
+                {"type": "deleted", "endpoint": "ns/kept-1"})[0] == 202
+    digest = _caught_up_digest(again)
+    bootstrap = again.bootstrap()
+    events = asyncio.run(_read_all(bootstrap, "mmcache-events"))
+    assert any(records and records[0].offset > 0 for records in events.values())  # trimmed
+
+    assert _rebuild(bootstrap, tmp_path / "rebuilt") == digest
