@@ -358,12 +358,14 @@ def setting_names(model: str, field_name: str) -> str:
     return env
 
 
-# Settings that `serve` takes as flags (the rest are environment variables only).
+# Settings that `serve` (or, for the last two, `rebuild`) takes as flags (the rest are
+# environment variables only).
 FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
     "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
+    "checkpoint_topic", "from_checkpoint",
 })
 
 
