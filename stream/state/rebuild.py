@@ -383,6 +383,9 @@ async def _topic_extents(bootstrap: str, topic: str, security: KafkaSecurity) ->
                     first[tp] = records[0].offset
                     waiting.discard(tp)
                     consumer.pause(tp)
+            for tp in list(waiting):  # read to the end without a record (control batches only)
+                if await consumer.position(tp) >= ends[tp]:
+                    waiting.discard(tp)
         return {tp.partition: Extent(first[tp], ends[tp]) for tp in tps}
     finally:
         await consumer.stop()

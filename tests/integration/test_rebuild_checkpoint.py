@@ -17,6 +17,7 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,10 @@ def compacted(records: list[Kept]) -> list[Kept]:
     """Kafka's compaction: the latest record of each key, in log order, at its offset."""
     last = {r.key: r.offset for r in records}
     return [r for r in records if last[r.key] == r.offset]
+
+
+def _iso(timestamp_ms: int) -> str:
+    return datetime.fromtimestamp(timestamp_ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -198,6 +203,15 @@ def test_rebuild_from_a_trimmed_log_and_a_compacted_changelog_gives_the_live_dig
         assert not (tmp_path / "past").exists()
         assert _rebuild(bootstrap, tmp_path / "at-oldest", "--app-id", live.app_id,
                         "--until", str(oldest))
+        # and by time: the latest kept event at or below a checkpoint is the oldest point
+        latest = max(r.timestamp_ms for p, kept in kept_events.items() for r in kept
+                     if r.offset <= checkpoints[p])
+        refused = _cli("rebuild", "--bootstrap-servers", bootstrap, "--app-id", live.app_id,
+                       "--data-dir", str(tmp_path / "past"), *CAPACITY, "--until", _iso(latest - 1))
+        assert refused.returncode != 0
+        assert refused.stderr.strip().splitlines()[-1].endswith(
+            f"the oldest point rebuildable from what is kept is --until {_iso(latest)}"), refused.stderr
+        assert not (tmp_path / "past").exists()
 
         # seeded into a new app id on that broker, serve takes it over and goes on
         new_app = f"it-{uuid.uuid4().hex[:10]}"
