@@ -63,8 +63,8 @@ from stream.state.store import (
     load_partition,
 )
 
-__all__ = ["Extent", "NotRebuildable", "Until", "balanced_groups", "rebuild", "resume_points",
-           "seed_deployment", "seed_records"]
+__all__ = ["Extent", "NotRebuildable", "Until", "balanced_groups", "rebuild",
+           "refuse_over_capacity", "resume_points", "seed_deployment", "seed_records"]
 
 log = logging.getLogger(__name__)
 
@@ -455,6 +455,20 @@ async def _kept_times(bootstrap: str, topic: str, spans: dict[int, tuple[int, in
         await consumer.stop()
 
 
+def refuse_over_capacity(reader: CheckpointReader, capacity: Capacity, changelog: str) -> None:
+    """A checkpoint is the state at the live service's capacity: one holding an LRU over
+    ``capacity`` was made with a larger one, and folding on at this one would give neither
+    state (a capacity is changed by replaying a whole log), so it is refused."""
+    for name, group in reader.reread.endpoints.items():
+        held = len(group) if capacity.mode == "items" else sum(
+            int.from_bytes(value[12:16], "big") for value in group.values())
+        if held > capacity.per_endpoint:
+            raise NotRebuildable(
+                f"the checkpoint in {changelog} holds {held} {capacity.mode} for endpoint "
+                f"{name!r}, over the capacity given ({capacity.per_endpoint}): rebuild with the "
+                "capacity of the service that wrote it (a checkpoint cannot change it)")
+
+
 def _plan(settings: Settings, bootstrap: str, extents: dict[int, Extent],
           until: Until) -> tuple[dict[int, int], dict[int, CheckpointReader]]:
     """Where each partition starts (``resume_points``) and the checkpoints it needs;
@@ -479,6 +493,8 @@ def _plan(settings: Settings, bootstrap: str, extents: dict[int, Extent],
     starts = resume_points(extents, applied, until, settings.from_checkpoint, changelog, topic,
                            kept)
     used = {p: read[p] for p, start in starts.items() if start}
+    for reader in used.values():
+        refuse_over_capacity(reader, settings.capacity, changelog)
     if used:
         log.info("partitions %s start from the checkpoint in %s (the state after offsets %s); "
                  "the events after it are replayed", sorted(used), changelog,

@@ -10,9 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream.core.cache import CacheState
+from stream.core.cache import CacheState, Capacity
+from stream.core.events import ItemsPlaced, Position
+from stream.core.items import Item
 from stream.state.checkpoint import CheckpointReader
-from stream.state.rebuild import Extent, NotRebuildable, Until, resume_points
+from stream.state.rebuild import Extent, NotRebuildable, Until, refuse_over_capacity, resume_points
 from stream.state.store import (
     APPLIED_KEY,
     applied_at,
@@ -172,3 +174,17 @@ def test_an_until_time_before_a_kept_event_under_the_checkpoint_is_refused_namin
         plan(extents, applied, Until(timestamp_ms=1_700_000_000_499), kept_times=times)
     assert plan(extents, applied, Until(timestamp_ms=1_700_000_000_500),
                 kept_times=times) == {0: 1004, 1: 20}
+
+
+def test_a_checkpoint_made_at_a_larger_capacity_is_refused_naming_it():
+    state = CacheState(Capacity("items", 4))
+    effects = state.apply(ItemsPlaced(endpoint="ns/a", items=[Item(f"h{i}", 1, "image")
+                                                              for i in range(4)]), Position(0, 0))
+    reader = CheckpointReader(end=1)
+    reader.feed(SimpleNamespace(key=k, value=v) for k, v in effect_records(effects, 0))
+    refuse_over_capacity(reader, Capacity("items", 4), CHANGELOG)
+    with pytest.raises(NotRebuildable, match=r"holds 4 items for endpoint 'ns/a', over the "
+                       r"capacity given \(3\): rebuild with the capacity of the service"):
+        refuse_over_capacity(reader, Capacity("items", 3), CHANGELOG)
+    with pytest.raises(NotRebuildable, match=r"holds 4 size .* over the capacity given \(3\)"):
+        refuse_over_capacity(reader, Capacity("size", 3), CHANGELOG)
