@@ -469,43 +469,16 @@ def refuse_over_capacity(reader: CheckpointReader, capacity: Capacity, changelog
                 "capacity of the service that wrote it (a checkpoint cannot change it)")
 
 
-def _read_checkpoint_part(bootstrap: str, changelog: str, ends: dict[int, int],
-                          security: KafkaSecurity, tansu: bool) -> dict[int, CheckpointReader] | None:
-    """Read some partitions' checkpoints (run in a process of its own)."""
-    if tansu:
-        apply_remedies()
-    gc.disable()  # as a replay process: many small objects, no cycles
-    return event_loop.run(_read_checkpoints(bootstrap, changelog, ends, security))
-
-
-def _read_all_checkpoints(bootstrap: str, changelog: str, ends: dict[int, int],
-                          security: KafkaSecurity, tansu: bool,
-                          count: int) -> dict[int, CheckpointReader] | None:
-    """Every partition's checkpoint, read by ``count`` processes side by side (a
-    checkpoint holds the whole state: read by one, it took as long as the replay after it)
-    and handed back here, so that what is refused is refused before anything is written."""
-    groups = balanced_groups(ends, count)
-    if len(groups) == 1:
-        return asyncio.run(_read_checkpoints(bootstrap, changelog, ends, security))
-    with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_read_checkpoint_part, *zip(*[
-            (bootstrap, changelog, {p: ends[p] for p in group}, security, tansu)
-            for group in groups], strict=True)))
-    if any(part is None for part in parts):
-        return None
-    return {p: reader for part in parts if part is not None for p, reader in part.items()}
-
-
-def _plan(settings: Settings, bootstrap: str, extents: dict[int, Extent], until: Until,
-          tansu: bool, count: int) -> tuple[dict[int, int], dict[int, CheckpointReader]]:
+def _plan(settings: Settings, bootstrap: str, extents: dict[int, Extent],
+          until: Until) -> tuple[dict[int, int], dict[int, CheckpointReader]]:
     """Where each partition starts (``resume_points``) and the checkpoints it needs;
     refuses (``NotRebuildable``) before anything is written."""
     topic, security = settings.events_topic, settings.kafka
     changelog = settings.checkpoint_topic or changelog_topic(settings.app_id)
     if not settings.from_checkpoint and not any(e.trimmed for e in extents.values()):
         return dict.fromkeys(extents, 0), {}
-    read = _read_all_checkpoints(bootstrap, changelog, {p: e.end for p, e in extents.items()},
-                                 security, tansu, count)
+    read = asyncio.run(_read_checkpoints(bootstrap, changelog,
+                                         {p: e.end for p, e in extents.items()}, security))
     if read is None:
         what = "--from-checkpoint" if settings.from_checkpoint else (
             f"{topic} no longer holds its first events")
@@ -559,8 +532,7 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     extents = asyncio.run(_topic_extents(bootstrap, settings.events_topic, settings.kafka))
     if not extents:
         raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
-    count = max(1, min(workers or os.cpu_count() or 1, len(extents)))
-    starts, checkpoints = _plan(settings, bootstrap, extents, until, tansu, count)
+    starts, checkpoints = _plan(settings, bootstrap, extents, until)
     sizes = {p: max(0, e.end - max(e.first, starts[p])) for p, e in extents.items()}
     partitions, total = sorted(sizes), sum(sizes.values())
     datadir.root.mkdir(parents=True, exist_ok=True)
@@ -568,6 +540,7 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     try:
         datadir.check(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
                                        settings.engine_view_max_entries), cluster)
+        count = max(1, min(workers or os.cpu_count() or 1, len(partitions)))
         groups = balanced_groups(sizes, count)
         # fork: no threads run here yet, and a forked worker starts in milliseconds
         context = multiprocessing.get_context("fork")
