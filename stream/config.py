@@ -156,6 +156,11 @@ class Settings(BaseSettings):
     # one, else its LRU), estimate (always the LRU), engine (always the engine view; an
     # endpoint that never reported holds nothing)
     match_source: Literal["auto", "estimate", "engine"] = "auto"
+    # rebuild: the changelog holding the checkpoint a partition whose oldest events were
+    # trimmed starts from (None: '<app_id>-lru-changelog'), and whether every partition
+    # starts from its checkpoint, trimmed or not
+    checkpoint_topic: str | None = None
+    from_checkpoint: bool = False
     # entries one engine view holds at most (a bound of the fold: give rebuild the same)
     engine_view_max_entries: int = Field(ENGINE_VIEW_ENTRIES, ge=1)
     auth_token_file: Path | None = None
@@ -359,12 +364,14 @@ def setting_names(model: str, field_name: str) -> str:
     return env
 
 
-# Settings that `serve` takes as flags (the rest are environment variables only).
+# Settings that `serve` (or, for the last two, `rebuild`) takes as flags (the rest are
+# environment variables only).
 FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
     "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
+    "checkpoint_topic", "from_checkpoint",
 })
 
 
