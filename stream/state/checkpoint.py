@@ -94,7 +94,7 @@ class CheckpointReader:
     record lies after the checkpoint is touched or removed again by the events after it,
     and an LRU or view missing an entry it is about to touch or evict ends the same:
     ``tests/unit/test_checkpoint.py``), as long as the records of events the log lost are
-    cut before it compacts (the kept log's start does, ``cut_unfinished_changelogs``).
+    cut before it compacts (the kept log's start does: ``stream.kafka.log_cleaner.compact``).
     """
 
     def __init__(self, end: int) -> None:
