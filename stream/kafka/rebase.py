@@ -28,8 +28,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.embedded_log import AppliedAt, EmbeddedLog, Journal
@@ -75,12 +78,29 @@ class EmbeddedCluster:
         self.journal: Journal | None = None
         self.rebases = 0
         self.last_rebase_s: float | None = None
+        self.in_progress = False
         self._rebasing = False
 
     def start_journal(self) -> Journal:
         """Start tailing the broker into the files (``Journal``)."""
         self.journal = Journal(self.files, self.broker.bootstrap_servers, self.topics).start()
         return self.journal
+
+    def collect(self) -> Iterator[Metric]:
+        """``mmcache_embedded_log_appended_bytes``, ``mmcache_embedded_rebases_total``,
+        ``mmcache_embedded_rebase_in_progress`` and ``mmcache_embedded_rebase_last_seconds``
+        (a prometheus_client collector: register it on the service's registry)."""
+        yield GaugeMetricFamily("mmcache_embedded_log_appended_bytes", "Bytes the journal wrote to "
+                                "the embedded broker's kept log since the broker last started",
+                                value=self.appended_bytes())
+        yield CounterMetricFamily("mmcache_embedded_rebases", "Times the embedded broker was "
+                                  "started again on its compacted log while serve ran",
+                                  value=self.rebases)
+        yield GaugeMetricFamily("mmcache_embedded_rebase_in_progress", "1 while a rebase holds "
+                                "writes, else 0", value=1 if self.in_progress else 0)
+        if self.last_rebase_s is not None:
+            yield GaugeMetricFamily("mmcache_embedded_rebase_last_seconds", "How long the last "
+                                    "rebase held writes", value=self.last_rebase_s)
 
     def appended_bytes(self) -> int:
         """Bytes written to the kept log since the broker last started with it."""
@@ -113,6 +133,13 @@ class EmbeddedCluster:
     async def rebase(self, worker: RebasedWorker, drain_timeout_s: float = 30.0) -> bool:
         """Start the broker again on the compacted log (the module's steps); False (and
         nothing changed) when the worker or the journal did not settle in time."""
+        self.in_progress = True
+        try:
+            return await self._rebase(worker, drain_timeout_s)
+        finally:
+            self.in_progress = False
+
+    async def _rebase(self, worker: RebasedWorker, drain_timeout_s: float) -> bool:
         started = time.monotonic()
         steps: dict[str, float] = {}
 

@@ -311,6 +311,8 @@ def build_worker(
     metrics = Metrics(state, consumer_lag)
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
+    if embedded_cluster is not None:
+        metrics.registry.register(embedded_cluster)
     mirror = TableMirror(app, table, state_writes, marks)
     gate_changelog_restore(
         table, state_writes,

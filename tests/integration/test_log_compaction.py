@@ -6,6 +6,7 @@ point of that loses nothing."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import signal
 import time
@@ -132,6 +133,60 @@ def _held(service: Serve, endpoint: str, hashes: list[str]) -> list[str]:
     status, answer = http("POST", service.url + "/v1/match", body)
     assert status == 200, answer
     return [item["hash"] for item in answer["endpoints"][0]["matched_items"]]
+
+
+def _metrics(service: Serve) -> dict[str, float]:
+    """The unlabelled samples of /metrics (documented in docs/metrics.md)."""
+    import urllib.request
+
+    with urllib.request.urlopen(service.url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {name: float(value) for name, value in
+            re.findall(r"^([a-z_]+) ([0-9.e+-]+)$", text, re.MULTILINE)}
+
+
+def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):
+    """Killed while a rebase holds writes (its broker stopped, its log being compacted or
+    given back): every write answered 202 is there after the next start."""
+    import threading
+
+    data = tmp_path / "data"
+    service = serves(data, env={"MMCACHE_EMBEDDED_REBASE_BYTES": "30000"})
+    acknowledged: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            endpoint, digest = f"ns/kill-{worker}-{n // 500}", f"w{worker}-{n}"
+            body = {"request_id": digest, "endpoints": [endpoint],
+                    "items": [{"hash": digest, "size": 1, "modality": "image"}]}
+            try:
+                if http("POST", service.url + "/v1/placements", body)[0] == 202:
+                    acknowledged.append((endpoint, digest))
+            except OSError:
+                return  # killed
+            n += 1
+
+    loaders = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+    for loader in loaders:
+        loader.start()
+    try:
+        eventually(lambda: _metrics(service).get("mmcache_embedded_rebase_in_progress") == 1,
+                   timeout=120, interval=0.01)
+        service.stop(signal.SIGKILL)
+    finally:
+        stop.set()
+        for loader in loaders:
+            loader.join()
+    again = serves(data)
+    by_endpoint: dict[str, list[str]] = {}
+    for endpoint, digest in acknowledged:
+        by_endpoint.setdefault(endpoint, []).append(digest)
+    # each endpoint got at most 500 placements: none evicted
+    assert all(len(hashes) < 1024 for hashes in by_endpoint.values())
+    eventually(lambda: all(sorted(_held(again, e, h)) == sorted(h) for e, h in by_endpoint.items()),
+               timeout=30)
 
 
 def _replayed_digest(data: Path, capacity_mb: int | None = None) -> str:
@@ -340,6 +395,11 @@ def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(ser
         return all(sorted(_held(target, e, hashes)) == hashes for e, hashes in expected.items())
 
     eventually(lambda: held_all(service), timeout=30)
+    metrics = _metrics(service)
+    assert metrics["mmcache_embedded_rebases_total"] >= 2
+    assert metrics["mmcache_embedded_rebase_in_progress"] in (0, 1)
+    assert 0 < metrics["mmcache_embedded_rebase_last_seconds"]
+    assert 0 <= metrics["mmcache_embedded_log_appended_bytes"]
     service.stop(signal.SIGKILL)
     again = serves(data, "--cache-size-mb-per-server", "20")
     eventually(lambda: held_all(again), timeout=30)
