@@ -30,17 +30,25 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
+from aiokafka.errors import KafkaError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream.kafka.embedded import EmbeddedBroker
-from stream.kafka.embedded_log import AppliedAt, EmbeddedLog, Journal
+from stream.kafka.embedded_log import AppliedAt, EmbeddedLog, Journal, RestoreFailed
 from stream.kafka.log_cleaner import Admit, Retention, compact, now_ms
 
 __all__ = ["EmbeddedCluster", "RebasedWorker"]
 
 log = logging.getLogger(__name__)
+
+#: How long a rebase may hold writes waiting for the worker and the journal to settle.
+SETTLE_S = 5.0
+#: How long the worker gets to join its group again on the new broker (writes held).
+REJOIN_S = 30.0
+#: Tries at giving the log back to a new broker before a rebase gives up.
+RESTART_ATTEMPTS = 3
 
 
 class RebasedWorker(Protocol):
@@ -49,8 +57,9 @@ class RebasedWorker(Protocol):
     def hold_writes(self) -> AbstractAsyncContextManager[None]:
         """Hold new writes until the context ends; enter once none is in flight."""
 
-    async def settle(self) -> None:
-        """Return once every event on the log is applied and its changelog flushed."""
+    async def settle(self, ends: dict[int, int]) -> None:
+        """Return once every event below ``ends`` (per partition) is applied and every
+        batch's records are sent and acknowledged (no batch is being handled)."""
 
     def tombstones_through(self, partition: int) -> int:
         """The changelog offset the partition's live table file holds (-1: unknown)."""
@@ -130,16 +139,17 @@ class EmbeddedCluster:
             self.journal.stop()
         self.broker.stop()
 
-    async def rebase(self, worker: RebasedWorker, drain_timeout_s: float = 30.0) -> bool:
+    async def rebase(self, worker: RebasedWorker, settle_s: float = SETTLE_S) -> bool:
         """Start the broker again on the compacted log (the module's steps); False (and
-        nothing changed) when the worker or the journal did not settle in time."""
+        nothing changed) when the worker or the journal did not settle within
+        ``settle_s`` (writes are held that long at most: the caller tries again later)."""
         self.in_progress = True
         try:
-            return await self._rebase(worker, drain_timeout_s)
+            return await self._rebase(worker, settle_s)
         finally:
             self.in_progress = False
 
-    async def _rebase(self, worker: RebasedWorker, drain_timeout_s: float) -> bool:
+    async def _rebase(self, worker: RebasedWorker, settle_s: float) -> bool:
         started = time.monotonic()
         steps: dict[str, float] = {}
 
@@ -148,19 +158,24 @@ class EmbeddedCluster:
 
         async with worker.hold_writes():
             step("writes held")
-            try:
-                await asyncio.wait_for(worker.settle(), drain_timeout_s)
-            except TimeoutError:
-                log.warning("embedded broker rebase put off: the worker did not settle within "
-                            "%.0f s", drain_timeout_s)
-                return False
-            step("worker settled")
             journal = self.journal
             assert journal is not None
-            if not await asyncio.to_thread(journal.drain, drain_timeout_s):
-                log.warning("embedded broker rebase put off: the journal did not catch up")
+            events = self._events_topic()
+            try:
+                async with asyncio.timeout(settle_s):
+                    # the log's end is fixed now (writes held): the files reach it, then the
+                    # worker applies up to it and writes all its batches' records, which the
+                    # files reach in turn
+                    await self._drained(journal, settle_s)
+                    ends = {p: end for (topic, p), end in journal.stored_offsets().items()
+                            if topic == events}
+                    await worker.settle(ends)
+                    await self._drained(journal, settle_s)
+            except TimeoutError:
+                log.warning("embedded broker rebase put off: the worker or the journal did not "
+                            "settle within %.0f s (writes were held meanwhile)", settle_s)
                 return False
-            step("journal drained")
+            step("worker settled")
             member = worker.member()
             self._rebasing = True
             try:
@@ -174,16 +189,17 @@ class EmbeddedCluster:
                 plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
                                                 worker.tombstones_through, self.retention, now_ms())
                 step("log compacted")
-                await asyncio.to_thread(self.broker.start)
-                restored = await self.files.restore(self.broker.bootstrap_servers, plans)
-                step("log restored")
-                await asyncio.to_thread(self.start_journal)
-                step("journal started")
+                restored = await self._restart_broker(plans)
+                step("log restored, journal started")
             finally:
                 self._rebasing = False
             # a batch fetched in the old group's generation would be taken for a zombie's
-            await asyncio.wait_for(worker.rejoined(member), drain_timeout_s)
-            step("group joined again")
+            try:
+                await asyncio.wait_for(worker.rejoined(member), REJOIN_S)
+                step("group joined again")
+            except TimeoutError:
+                log.warning("after the embedded broker's rebase the worker did not join its group "
+                            "again within %.0f s; writes go on", REJOIN_S)
         self.rebases += 1
         self.last_rebase_s = time.monotonic() - started
         split, before = [], started
@@ -194,3 +210,39 @@ class EmbeddedCluster:
                  self.last_rebase_s, ", ".join(split),
                  ", ".join(f"{topic} {n} records" for topic, n in restored.items()))
         return True
+
+    async def recover(self) -> None:
+        """After a rebase that could not start the broker again: start it on the files
+        (whole: compaction only renames whole files over them) and its journal."""
+        if self.journal is not None:
+            return
+        plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+                                        lambda partition: -1, self.retention, now_ms())
+        await self._restart_broker(plans)
+        log.warning("the embedded broker runs again on its kept log; writes go on")
+
+    async def _restart_broker(self, plans: dict[tuple[str, int], Any]) -> dict[str, int]:
+        """A new broker on the same port given ``plans`` and a new journal; a failed try
+        (a client of the old broker that got in first) is made again on a fresh broker."""
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            await asyncio.to_thread(self.broker.start)
+            try:
+                restored = await self.files.restore(self.broker.bootstrap_servers, plans)
+            except (RestoreFailed, OSError, KafkaError) as exc:
+                self.broker.stop(timeout=0.1)
+                if attempt == RESTART_ATTEMPTS:
+                    raise RuntimeError(f"the embedded broker could not be given its log back: "
+                                       f"{exc}") from None
+                log.warning("embedded broker: giving its log back failed (%s); trying again", exc)
+                continue
+            await asyncio.to_thread(self.start_journal)
+            return restored
+        raise AssertionError("unreachable")
+
+    async def _drained(self, journal: Journal, timeout_s: float) -> None:
+        if not await asyncio.to_thread(journal.drain, timeout_s):
+            raise TimeoutError
+
+    def _events_topic(self) -> str:
+        return next(str(spec["applied_offsets_of"]) for spec in self.files.topics().values()
+                    if spec.get("applied_offsets_of"))

@@ -81,6 +81,10 @@ PROBE_POLL_S = 0.02
 
 log = logging.getLogger(__name__)
 
+#: After a rebase put off or failed, the next is tried this long after (doubling each time).
+REBASE_RETRY_S = 30.0
+REBASE_RETRY_MAX_S = 600.0
+
 
 class StartTask(mode.Service):
     """Runs one coroutine from the worker's start, before the group join (Faust starts its
@@ -98,25 +102,24 @@ class StartTask(mode.Service):
 class _RebasedWorker:
     """The worker as a rebase of the embedded broker sees it (``stream.kafka.rebase``)."""
 
-    def __init__(self, app: faust.App, publisher: EventPublisher,
+    def __init__(self, app: faust.App, publisher: EventPublisher, state: CacheState,
                  lag: Callable[[], dict[int, int]], partitions: int,
                  persisted_offset: Callable[[int], int | None]) -> None:
         self.app = app
         self.publisher = publisher
+        self.state = state
         self.lag = lag
         self.partitions = partitions
         self.persisted_offset = persisted_offset
+        self.batches = 0  # event batches being handled (applied, written, acknowledged)
 
     def hold_writes(self) -> AbstractAsyncContextManager[None]:
         return self.publisher.held()
 
-    def _caught_up(self) -> bool:
-        lag = self.lag()
-        return len(lag) == self.partitions and not any(lag.values())
-
-    async def settle(self) -> None:
-        while not self._caught_up():
-            await asyncio.sleep(0.05)
+    async def settle(self, ends: dict[int, int]) -> None:
+        applied = self.state.applied
+        while self.batches or any(applied.get(p, -1) < end - 1 for p, end in ends.items()):
+            await asyncio.sleep(0.02)
         await self.app.producer.flush()
 
     def tombstones_through(self, partition: int) -> int:
@@ -132,14 +135,17 @@ class _RebasedWorker:
     async def rejoined(self, before: object) -> None:
         while True:
             member, generation = owner_member(self.app)
-            if (member, generation) != before and member and generation != -1 and self._caught_up():
+            lag = self.lag()
+            if ((member, generation) != before and member and generation != -1
+                    and len(lag) == self.partitions and not any(lag.values())):
                 return
             await asyncio.sleep(0.05)
 
 
 class RebaseService(mode.Service):
     """Starts the embedded broker again on its compacted log whenever the journal has
-    written ``every_bytes`` since the broker's last start (``stream.kafka.rebase``)."""
+    written ``every_bytes`` since the broker's last start (``stream.kafka.rebase``); a
+    rebase put off or failed is tried again later, each time after twice the wait."""
 
     def __init__(self, cluster: EmbeddedCluster, every_bytes: int, worker: RebasedWorker,
                  check_s: float = 1.0, **kwargs: Any) -> None:
@@ -155,15 +161,22 @@ class RebaseService(mode.Service):
             self.add_future(self._watch())
 
     async def _watch(self) -> None:
+        backoff = REBASE_RETRY_S
         while True:
             await asyncio.sleep(self.check_s)
-            if self.cluster.appended_bytes() < self.every_bytes:
-                continue
             try:
-                await self.cluster.rebase(self.worker)
-            except Exception:  # a failed rebase leaves writes refused (503); /readyz says why
+                if self.cluster.journal is None:  # a rebase could not start the broker again
+                    await self.cluster.recover()
+                    continue
+                if self.cluster.appended_bytes() < self.every_bytes:
+                    continue
+                if await self.cluster.rebase(self.worker):
+                    backoff = REBASE_RETRY_S
+                    continue
+            except Exception:  # writes get 503 and /readyz says why until it is recovered
                 log.exception("the embedded broker could not be started again on its compacted log")
-                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, REBASE_RETRY_MAX_S)
 
 
 class HttpService(mode.Service):
@@ -327,6 +340,13 @@ def build_worker(
                                     prepare_dead_letters)
     keeper = StateKeeper(state, mirror, metrics, partitions, dead_letters, marks)
 
+    publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
+                               settings.max_writes_in_flight, settings.kafka,
+                               None if embedded_cluster is None else embedded_cluster.wait_stored)
+    rebased = None if embedded_cluster is None else _RebasedWorker(
+        app, publisher, state, consumer_lag, partitions,
+        lambda p: table.data.persisted_offset(TP(changelog, p)))
+
     async def apply_batch(partition: int, records: Sequence[Any]) -> None:
         # A worker resumed after its session expired must not write after the new owner:
         # ownership is checked when the batch arrives (a batch fetched before a freeze may
@@ -336,6 +356,15 @@ def build_worker(
         tp = TP(settings.events_topic, partition)
         if records and records[-1].offset <= state.applied.get(partition, -1):
             return  # applied already (fetched again, e.g. after a rebase): nothing to write
+        if rebased is None:
+            return await handle_batch(tp, partition, records)
+        rebased.batches += 1  # a rebase waits for the batches being handled (settle)
+        try:
+            return await handle_batch(tp, partition, records)
+        finally:
+            rebased.batches -= 1
+
+    async def handle_batch(tp: TP, partition: int, records: Sequence[Any]) -> None:
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
         # the view's part stays what the file holds only if it was before and the file
@@ -440,9 +469,6 @@ def build_worker(
             log.warning("the local state files could not answer before the group join (%s: %s); "
                         "the recovery loads them", type(exc).__name__, exc)
 
-    publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
-                               settings.max_writes_in_flight, settings.kafka,
-                               None if embedded_cluster is None else embedded_cluster.wait_stored)
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.report,
                   write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
                   match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"),
@@ -451,9 +477,7 @@ def build_worker(
     http = HttpService(api, settings.host, settings.port,
                        tls_context(settings.tls_cert, settings.tls_key), listening)
     services: list[mode.Service] = [http, follower, probe, StartTask(ready_from_local_files)]
-    if embedded_cluster is not None:
-        rebased = _RebasedWorker(app, publisher, consumer_lag, partitions,
-                                 lambda p: table.data.persisted_offset(TP(changelog, p)))
+    if embedded_cluster is not None and rebased is not None:
         services.append(RebaseService(embedded_cluster, settings.embedded_rebase_bytes, rebased))
     worker = faust.Worker(app, *services, loglevel=settings.log_level, quiet=True)
     worker.spinner = None  # a terminal spinner only garbles service logs
