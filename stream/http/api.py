@@ -61,6 +61,11 @@ __all__ = ["ApiError", "ApiRoutes", "HttpApi", "render_match"]
 
 log = logging.getLogger(__name__)
 
+#: Matches' bodies fill at most this share of the server's body budget: the rest is kept
+#: for writes (placements, endpoint and engine events), which a flood of big matches (an
+#: open route) must never get refused for want of room.
+MATCH_BUDGET_SHARE = 0.75
+
 Handler = Callable[[Request], Awaitable[Response]]
 Now = Callable[[Request], Response | None]
 
@@ -168,7 +173,8 @@ class HttpApi:
         """
         endpoint, writes, matches = self._endpoint, self.write_tokens, self.match_tokens
         table = {
-            "/v1/match": {"POST": endpoint("/v1/match", self.match, matches, now=self.match_now)},
+            "/v1/match": {"POST": endpoint("/v1/match", self.match, matches, now=self.match_now,
+                                           budget_share=MATCH_BUDGET_SHARE)},
             "/v1/placements": {"POST": endpoint("/v1/placements", self.placements, writes)},
             "/v1/endpoint-events": {"POST": endpoint("/v1/endpoint-events", self.endpoint_events, writes)},
             "/v1/engine-events": {"POST": endpoint("/v1/engine-events", self.engine_events, writes)},
@@ -190,7 +196,7 @@ class HttpApi:
         return server
 
     def _endpoint(self, name: str, handler: Handler, tokens: TokenFile | None = None,
-                  now: Now | None = None) -> Endpoint:
+                  now: Now | None = None, budget_share: float = 1.0) -> Endpoint:
         """``handler`` (and its synchronous ``now``, tried first) answering every error as
         CONTRACT's JSON body, timed by route, and behind a bearer token when ``tokens`` is
         given (checked once the headers came, before anything of the body is read)."""
@@ -234,7 +240,7 @@ class HttpApi:
             return answered(Response(_UNAUTHORIZED, 401, headers=_CHALLENGE), time.perf_counter())
 
         return Endpoint(handle, too_large, head if tokens is not None else None,
-                        at_once if now is not None else None)
+                        at_once if now is not None else None, budget_share)
 
     def _unmatched(self, allow: str) -> Endpoint:
         """404 (``allow`` empty: no route has this path) or 405 naming the methods the

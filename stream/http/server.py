@@ -210,6 +210,9 @@ class Endpoint:
     too_large: Callable[[Request], Response]
     head: Callable[[Request], Response | None] | None = None
     now: Callable[[Request], Response | None] | None = None
+    #: the share of the server's body budget this route's bodies may fill (the rest is kept
+    #: for the others: a flood of big matches never refuses a write for want of room)
+    budget_share: float = 1.0
 
 
 class Routes:
@@ -583,7 +586,7 @@ class _Connection(asyncio.Protocol):
         if answer is None and length is not None:
             if length > routes.max_body:
                 answer = endpoint.too_large(request)
-            elif length and self.server.body_bytes + length > self.server.body_budget:
+            elif length and self.server.body_bytes + length > self.server.body_budget * endpoint.budget_share:
                 answer = self._over_budget()
         expect = "expect" in headers and headers["expect"].lower() == "100-continue"
         if answer is not None:
@@ -619,7 +622,7 @@ class _Connection(asyncio.Protocol):
         held = buffer.__alloc__()  # what it holds, its slack too
         server.body_bytes += held - exchange.charged
         exchange.charged = held
-        if server.body_bytes > server.body_budget:
+        if server.body_bytes > server.body_budget * exchange.endpoint.budget_share:
             self._refuse_body(exchange, self._over_budget())
 
     def _refuse_body(self, exchange: _Exchange, answer: Response) -> None:

@@ -150,6 +150,38 @@ def test_bodies_over_the_server_wide_budget_get_503_server_busy_and_the_rest_goe
     assert statuses(after) == [400] and refused == 1 and held == 0
 
 
+def test_matches_never_take_the_room_writes_need_in_the_budget():
+    """A flood of big matches (an open route) fills at most its share of the budget
+    (``MATCH_BUDGET_SHARE``): a placement's body still fits beside it."""
+    api = make_api(Limits(max_body_bytes=1 << 20))
+    size = 300_000
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+
+    async def run() -> tuple[list[bytes], list[bytes]]:
+        async with serving(api, body_budget=1 << 20) as (server, port):
+            floods = [await in_thread(connect, port) for _ in range(4)]
+            matches = []
+            for sock in floods:  # each holds its body half sent, as long as it fits
+                sock.sendall(head % (b"/v1/match", size) + b" " * (size // 2))
+            assert await until(lambda: server.body_bytes >= 2 * size // 2)
+            for sock in floods:
+                sock.sendall(b" " * (size // 2))
+            write = await in_thread(connect, port)
+            write.sendall(head % (b"/v1/placements", 200_000) + b" " * 200_000)
+            write.shutdown(socket.SHUT_WR)
+            placement = [await in_thread(read_all, write)]
+            for sock in floods:
+                sock.shutdown(socket.SHUT_WR)
+                matches.append(await in_thread(read_all, sock))
+                sock.close()
+            write.close()
+            return matches, placement
+
+    matches, placement = asyncio.run(run())
+    assert [503] in [statuses(m) for m in matches]  # the flood was refused past its share
+    assert statuses(placement[0]) == [400]  # read whole (not JSON): never refused for room
+
+
 def test_a_chunked_body_that_takes_the_server_over_its_budget_is_refused_midway():
     api = make_api(Limits(max_body_bytes=1 << 20))
 
