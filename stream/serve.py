@@ -167,6 +167,9 @@ def serve(resolved: Resolved) -> None:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
         if kept_log is not None:
+            from stream.kafka import fetch_gate
+
+            fetch_gate.install()  # its own broker: every write it takes passes through here
             journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog))

@@ -40,6 +40,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
+from stream.kafka import fetch_gate
+
 __all__ = ["CLUSTER_FILE", "LOG_DIR_NAME", "EmbeddedLog", "Journal", "LogRecord", "RestoreFailed",
            "is_log_entry"]
 
@@ -551,6 +553,7 @@ class Journal:
     async def _drain(self) -> bool:
         assert self._consumer is not None and self._progress is not None
         ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
+        fetch_gate.GATE.wake()  # an idle journal fetches what the broker holds now, not later
 
         def done() -> bool:
             with self._lock:
