@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
     shutdown_timeout_s: float = Field(5.0, gt=0)
+    # on serve's own embedded broker: how often an idle consumer looks for writes that did
+    # not pass through this process (its own writes wake it at once; stream.kafka.fetch_gate)
+    idle_poll_s: float = Field(0.5, gt=0, le=600)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
@@ -323,7 +326,8 @@ FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
-    "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
+    "produce_timeout_s", "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source",
+    "log_level",
 })
 
 

@@ -169,7 +169,7 @@ def serve(resolved: Resolved) -> None:
         if kept_log is not None:
             from stream.kafka import fetch_gate
 
-            fetch_gate.install()  # its own broker: every write it takes passes through here
+            fetch_gate.install(settings.idle_poll_s)  # its own broker: its writes pass through here
             journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
         log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
                                                changelog))

@@ -15,7 +15,7 @@ positions (nothing new there) until one of these:
 - this process's publisher had a write acknowledged (``wake``): on the embedded default
   every acknowledged event write passes through it, so its consumers fetch at once and
   the write is in the view within a fetch's round trip;
-- ``IDLE_POLL_S`` passed since it was sent: writes from other producers (a gateway
+- ``--idle-poll-s`` (``IDLE_POLL_S``) passed since it was sent: writes from other producers (a gateway
   publishing straight to the topic, Faust's changelog and dead letters for the journal)
   wait at most that long;
 - anything else changed what would be fetched: new positions (records taken, a seek, a
@@ -39,6 +39,7 @@ import functools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,8 @@ from aiokafka.consumer.fetcher import Fetcher
 
 __all__ = ["GATE", "IDLE_POLL_S", "FetchGate", "install", "installed"]
 
-#: The longest a write by another producer waits for an idle consumer of this process.
+#: The longest a write by another producer waits for an idle consumer of this process
+#: (the default of ``--idle-poll-s``).
 IDLE_POLL_S = 0.5
 
 
@@ -56,7 +58,7 @@ class _Sent:
 
     asked: frozenset[tuple[str, int, int]]  # (topic, partition, offset)
     wakes: int  # the gate's wake count when it was sent
-    at: float  # time.monotonic()
+    at: float  # the gate's clock
 
 
 @dataclass(slots=True)
@@ -73,8 +75,10 @@ class FetchGate:
     """Holds repeated empty fetches of every aiokafka fetcher of the process (once
     ``install``-ed) until a wake, ``IDLE_POLL_S``, or a change of what they ask for."""
 
-    def __init__(self, idle_poll_s: float = IDLE_POLL_S) -> None:
+    def __init__(self, idle_poll_s: float = IDLE_POLL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.idle_poll_s = idle_poll_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._wakes = 0
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
@@ -107,7 +111,7 @@ class FetchGate:
         if not fetch_requests:
             return actions
         state = self._state(fetcher)
-        now = time.monotonic()
+        now = self._clock()
         send, until = [], None
         with self._lock:
             wakes = self._wakes
@@ -148,9 +152,11 @@ GATE = FetchGate()
 _installed = False
 
 
-def install(gate: FetchGate = GATE) -> None:
-    """Gate every aiokafka fetcher of this process, made before or after; idempotent."""
+def install(idle_poll_s: float = IDLE_POLL_S, gate: FetchGate = GATE) -> None:
+    """Gate every aiokafka fetcher of this process, made before or after, polling idle
+    every ``idle_poll_s``; idempotent (the poll is the last one given)."""
     global _installed
+    gate.idle_poll_s = idle_poll_s
     if _installed:
         return
     original_actions = Fetcher._get_actions_per_node
