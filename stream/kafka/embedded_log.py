@@ -56,8 +56,10 @@ _PARTITION_FILE = re.compile(r"^\d+\.log$")
 _RESTORE_CHUNK = 5000
 _REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
 # A write is acknowledged once the journal has fetched it, and an idle fetch on Tansu
-# returns after about half its max wait, not when data arrives: this wait
-# is most of what the journal adds to a write's acknowledgement.
+# returns after about half its max wait, not when data arrives: when a fetch is in flight
+# as a write comes, this wait is most of what the journal adds to its acknowledgement. An
+# idle journal has none in flight: the publisher's acknowledged write wakes it
+# (stream.kafka.fetch_gate) and its fetch finds the write at once.
 JOURNAL_FETCH_WAIT_MS = 10
 
 log = logging.getLogger(__name__)
