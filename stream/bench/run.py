@@ -103,14 +103,14 @@ def _scale3(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
-    "idle": _idle,
-    "match_embedded": _match_embedded,
     "ingest": _ingest,
     "replay": _replay,
     "restart": _restart,
     "state_poll": _state_poll,
     "failover": _failover,
     "scale3": _scale3,
+    "idle": _idle,
+    "match_embedded": _match_embedded,
 }
 
 

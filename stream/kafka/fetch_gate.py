@@ -98,11 +98,8 @@ class FetchGate:
             _resolve(loop, future)
 
     def _state(self, fetcher: Fetcher) -> _FetcherState:
-        state = self._fetchers.get(fetcher)
-        if state is None:
-            with self._lock:
-                state = self._fetchers.setdefault(fetcher, _FetcherState())
-        return state
+        with self._lock:  # the weak dict drops closed fetchers from whatever thread collects them
+            return self._fetchers.setdefault(fetcher, _FetcherState())
 
     def filter(self, fetcher: Fetcher, actions: tuple[Any, ...]) -> tuple[Any, ...]:
         """``Fetcher._get_actions_per_node``'s answer less the fetches to hold, with a

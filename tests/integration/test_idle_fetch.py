@@ -12,6 +12,7 @@ import pytest
 
 from stream.kafka.embedded import free_port
 from tests.integration.conftest import eventually, http
+from tests.integration.test_docs_live import documented_metrics
 from tests.integration.test_process_safety import cli, env, placement, reap, tansu_child  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -59,6 +60,10 @@ def test_an_idle_serve_sends_no_fetches_and_its_own_writes_are_seen_at_once(tmp_
 
         eventually(ready, timeout=120, interval=0.1)
         reap.append(tansu_child(process.pid))
+        _, text = http("GET", url + "/metrics")
+        embedded_only = documented_metrics(embedded_only=True)
+        assert embedded_only == {"mmcache_log_fetch_requests_total"}
+        assert all(f"# TYPE {name} " in text for name in embedded_only), text[-2000:]
         assert http("POST", url + "/v1/placements", placement(0, "ns/warm"))[0] == 202
         counted = [idle_fetches(url)]
         for i in range(1, 4):
