@@ -42,7 +42,8 @@ _CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server"
 _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
                 *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
                 "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
-                "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source", "log_level")
+                "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source", "log_level",
+                "checkpoint_topic", "from_checkpoint")
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
@@ -182,10 +183,15 @@ def _environment_only() -> str:
     """The settings that are environment variables only, with their defaults."""
     lines = ["settings from the environment only:"]
     for field, info in Limits.model_fields.items():
+        if field == "body_budget_bytes":
+            lines.append(f"  MMCACHE_{field.upper()} (default 4 x MMCACHE_MAX_BODY_BYTES)")
+            continue
         lines.append(f"  MMCACHE_{field.upper()} (default {info.default})")
     for name in ("replication_factor", "min_insync_replicas"):
         lines.append(f"  MMCACHE_{name.upper()} (default: 3 and 2 on 3 or more brokers, else 1 and 1)")
     lines.append(f"  MMCACHE_MAX_WRITES_IN_FLIGHT (default {_default(Settings, 'max_writes_in_flight')})")
+    lines.append("  MMCACHE_BODY_READERS (default: the usable cores, os.sched_getaffinity)")
+    lines.append(f"  MMCACHE_BODY_READ_TIMEOUT_S (default {_default(Settings, 'body_read_timeout_s')})")
     bound = _default(Settings, "engine_view_max_entries")
     lines.append(f"  MMCACHE_ENGINE_VIEW_MAX_ENTRIES (default {bound}; give rebuild the same)")
     for field, info in KafkaSecurity.model_fields.items():
@@ -285,7 +291,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     rebuild = commands.add_parser(
         "rebuild", help="rebuild the state by replaying the log",
         description="Replay the event topic from its start into a new data dir, then print the "
-        "state digest (equal to the live service's for the same events).")
+        "state digest (equal to the live service's for the same events). A partition whose "
+        "oldest events were trimmed starts from the checkpoint in the changelog.")
     _flag(rebuild, "--bootstrap-servers", "Kafka cluster holding the event topic",
           required="MMCACHE_BOOTSTRAP_SERVERS" not in os.environ, default="required",
           metavar="HOST:PORT")
@@ -300,6 +307,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
                          "time (record timestamps) (default: the end)")
     rebuild.add_argument("--workers", type=int, metavar="N",
                          help="replay processes (default: one per core)")
+    _flag(rebuild, "--checkpoint-topic", "changelog holding the checkpoint a partition starts "
+          "from when the topic's oldest events were trimmed (the state at the changelog's last "
+          "applied offset, then the events after it)", default="<app-id>-lru-changelog",
+          metavar="NAME")
+    _flag(rebuild, "--from-checkpoint", "start every partition from its checkpoint, trimmed or "
+          "not: replays only the events after it", default="off: only trimmed partitions",
+          action="store_const", const=True)
     _add_debug(rebuild)
     rebuild.set_defaults(run=_rebuild)
 

@@ -59,6 +59,25 @@ class Limits(BaseSettings):
     # facts (stored, removed, cleared) in one POST /v1/engine-events; its stored items and its
     # removed hashes are each bounded by max_items too
     max_engine_events: int = Field(1024, ge=1)
+    # open HTTP connections at most; a new one over it is closed at once (Redis' maxclients,
+    # nginx's worker_connections: see docs/http-api.md, "What all clients together hold")
+    max_connections: int = Field(4096, ge=1)
+    # bytes the request bodies in flight hold at most, over all connections; a body that
+    # would go over gets 503 server_busy (None: four bodies of max_body_bytes, 64 MiB)
+    body_budget_bytes: int | None = Field(None, ge=1)
+
+    @property
+    def body_budget(self) -> int:
+        """``body_budget_bytes``, or four bodies of ``max_body_bytes``."""
+        return 4 * self.max_body_bytes if self.body_budget_bytes is None else self.body_budget_bytes
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> Limits:
+        if self.body_budget < self.max_body_bytes:
+            raise ValueError(f"MMCACHE_BODY_BUDGET_BYTES ({self.body_budget}) must be at least "
+                             f"MMCACHE_MAX_BODY_BYTES ({self.max_body_bytes}): else a body within the "
+                             "limit could never be read")
+        return self
 
     @model_validator(mode="after")
     def _references_cover_items(self) -> Limits:
@@ -115,7 +134,22 @@ class Settings(BaseSettings):
     cache_size_embeddings_per_server: int | None = None
     produce_timeout_s: float = Field(2.0, gt=0)
     max_writes_in_flight: int = Field(256, ge=1)
+    # child processes that read big request bodies at most (None: one per usable core)
+    body_readers: int | None = Field(None, ge=1, le=1024)
+    # seconds a big body may wait for a body reader, and again its reader may take to
+    # answer (a new reader's start not counted), before its request is answered 503 (a
+    # stuck reader is replaced)
+    body_read_timeout_s: float = Field(4.0, gt=0, le=60)
     shutdown_timeout_s: float = Field(5.0, gt=0)
+    # what the embedded broker's kept log holds of the event and dead-letter topics, as
+    # Kafka's retention.ms and retention.bytes (per partition; -1 keeps everything); the
+    # changelog is compacted whatever these say (stream.kafka.log_cleaner)
+    embedded_retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=-1)
+    embedded_retention_bytes: int = Field(32 * 1024 * 1024, ge=-1)
+    # the embedded broker (whose memory Tansu never frees) is started again on the
+    # compacted log once this much was written to the kept log since its start (-1: never;
+    # stream.kafka.rebase)
+    embedded_rebase_bytes: int = Field(64 * 1024 * 1024, ge=-1)
     # on serve's own embedded broker: how often an idle consumer looks for writes that did
     # not pass through this process (its own writes wake it at once; stream.kafka.fetch_gate)
     idle_poll_s: float = Field(0.5, gt=0, le=600)
@@ -125,6 +159,11 @@ class Settings(BaseSettings):
     # one, else its LRU), estimate (always the LRU), engine (always the engine view; an
     # endpoint that never reported holds nothing)
     match_source: Literal["auto", "estimate", "engine"] = "auto"
+    # rebuild: the changelog holding the checkpoint a partition whose oldest events were
+    # trimmed starts from (None: '<app_id>-lru-changelog'), and whether every partition
+    # starts from its checkpoint, trimmed or not
+    checkpoint_topic: str | None = None
+    from_checkpoint: bool = False
     # entries one engine view holds at most (a bound of the fold: give rebuild the same)
     engine_view_max_entries: int = Field(ENGINE_VIEW_ENTRIES, ge=1)
     auth_token_file: Path | None = None
@@ -135,6 +174,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @field_validator("embedded_retention_ms", "embedded_retention_bytes", "embedded_rebase_bytes")
+    @classmethod
+    def _retention(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (keep everything) or positive")
+        return value
 
     @field_validator("log_level", "match_source", mode="before")
     @classmethod
@@ -321,13 +367,14 @@ def setting_names(model: str, field_name: str) -> str:
     return env
 
 
-# Settings that `serve` takes as flags (the rest are environment variables only).
+# Settings that `serve` (or, for the last two, `rebuild`) takes as flags (the rest are
+# environment variables only).
 FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
     "produce_timeout_s", "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source",
-    "log_level",
+    "log_level", "checkpoint_topic", "from_checkpoint",
 })
 
 

@@ -12,6 +12,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from itertools import accumulate
 from operator import attrgetter
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -84,6 +85,9 @@ class Metrics:
         self.readiness: Callable[[], bool] | None = None
         # set by the worker on serve's own broker: fetch requests its consumers sent so far
         self.log_fetches: Callable[[], int] | None = None
+        # set by the HTTP API: its server (``stream.http.server.HttpServer``), whose connections,
+        # bodies in flight and refusals for its bounds are exported
+        self.http_server: Any = None
         self.hit_ratio = Histogram(_RATIO_BUCKETS)
         self.events = Counter(
             "mmcache_events_processed_total",
@@ -221,6 +225,8 @@ class Metrics:
         yield checks
         yield requests
         yield lag
+        if self.http_server is not None:
+            yield from _http_server_families(self.http_server)
         if self.readiness is not None:
             yield GaugeMetricFamily("mmcache_ready", "1 while /readyz answers 200, else 0",
                                     value=1 if self.readiness() else 0)
@@ -254,6 +260,25 @@ class Metrics:
             "mmcache_engine_view_bound_drops", "Engine view entries this worker's fold dropped "
             "because a view held MMCACHE_ENGINE_VIEW_MAX_ENTRIES (its engine still holds them: "
             "raise the bound)", value=self._state.engine.bound_drops)
+
+
+def _http_server_families(server: Any) -> Iterator[Metric]:
+    """The HTTP server's bounds: what is held against each, and what each refused."""
+    refusals = server.refusals
+    yield GaugeMetricFamily("mmcache_http_connections", "Open HTTP connections (at most "
+                            "MMCACHE_MAX_CONNECTIONS)", value=len(server.connections))
+    yield GaugeMetricFamily("mmcache_http_body_in_flight_bytes", "Bytes held by request bodies from their "
+                            "first byte to their answer (at most MMCACHE_BODY_BUDGET_BYTES)",
+                            value=server.body_bytes)
+    yield CounterMetricFamily("mmcache_http_connections_refused", "New connections closed at once because "
+                              "MMCACHE_MAX_CONNECTIONS were open", value=refusals["connection_cap"])
+    yield CounterMetricFamily("mmcache_http_body_budget_refusals", "Requests answered 503 server_busy "
+                              "because their body would take the bodies in flight over "
+                              "MMCACHE_BODY_BUDGET_BYTES",
+                              value=refusals["body_budget"])
+    yield CounterMetricFamily("mmcache_http_lingers_cut", "Lingering closes ended by their time while the "
+                              "refused client still sent (it may read a reset instead of its answer)",
+                              value=refusals["linger_cut"])
 
 
 def _histogram_family(

@@ -10,6 +10,7 @@ import errno
 import logging
 import signal
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,18 @@ from stream.compiled import warn_stale
 from stream.config import Resolved, Settings
 from stream.event_loop import new_event_loop
 from stream.http.auth import refuse_open_writes
+from stream.http.body_reader import usable_cores
+from stream.http.server import tls_context
+from stream.http.starting import StartingServer
 from stream.kafka.embedded import EmbeddedBroker
 from stream.logs import apply_log_level, logging_config
 
 __all__ = ["effective_configuration", "reach_cluster", "refuse_file_as_data_dir", "run_broker", "serve"]
 
 log = logging.getLogger("mmcache")
+
+#: A tombstone bound past any offset: no table file will need one.
+KEEP_NO_TOMBSTONE = 2**62
 
 
 def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
@@ -67,6 +74,9 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
                                  if settings.match_auth_token_file else "off"),
         f"produce timeout {settings.produce_timeout_s:g} s",
         f"shutdown timeout {settings.shutdown_timeout_s:g} s",
+        f"body readers {settings.body_readers or usable_cores()}"
+        f"{'' if settings.body_readers else ' (the usable cores)'}, "
+        f"{settings.body_read_timeout_s:g} s a big body",
         "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
         f"match source {settings.match_source}, engine views of at most "
         f"{settings.engine_view_max_entries} entries",
@@ -76,6 +86,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
         f"{limits.max_references} media references, {limits.max_match_pairs} match pairs, "
         f"{limits.max_engine_events} engine events",
+        f"HTTP connections at most {limits.max_connections}, bodies in flight at most "
+        f"{limits.body_budget} bytes",
         f"log level {settings.log_level}",
     ]
     if resolved.plugin is not None:
@@ -118,7 +130,7 @@ def serve(resolved: Resolved) -> None:
     log the effective configuration, run Faust with a bound on its shutdown; then stop
     Faust, the log's journal and the broker, in that order."""
     from stream.kafka.fetcher import shorten_prefetch_backoff
-    from stream.kafka.tansu import apply_remedies, is_tansu_id
+    from stream.kafka.tansu import apply_remedies, is_tansu_id, refuse_topic_creation_by_metadata
     from stream.kafka.topics import changelog_topic, ensure_topics
     from stream.state.datadir import DataDir
     from stream.state.preload import LocalPreload
@@ -137,17 +149,33 @@ def serve(resolved: Resolved) -> None:
     if datadir.root.exists():
         datadir.lock()  # a second serve on a live dir stops here, before anything else
     refuse_taken_port(settings.host, settings.port)
-    broker = journal = kept_log = keeper = None
-    bootstrap = settings.bootstrap_servers
-    if bootstrap:
-        cluster = reach_cluster(bootstrap, settings)
-    # a missing dir is made only once the checks above passed, and locked before any broker
-    datadir.root.mkdir(parents=True, exist_ok=True)
-    datadir.lock()
-    if not bootstrap:
-        broker, kept_log = _start_embedded(datadir, settings)
-        bootstrap, cluster = broker.bootstrap_servers, broker.cluster_id
+    embedded_cluster = keeper = None
     loop = new_event_loop()
+    start_threads = ThreadPoolExecutor(thread_name_prefix="mmcache-start")
+    loop.set_default_executor(start_threads)
+    # the port answers probes from now on (stream.http.starting); the API takes it over
+    starting = StartingServer()
+    loop.run_until_complete(starting.start(settings.host, settings.port,
+                                           tls_context(settings.tls_cert, settings.tls_key)))
+    try:
+        bootstrap = settings.bootstrap_servers
+        if bootstrap:
+            starting.reason = "reaching the Kafka cluster"
+            cluster = reach_cluster(bootstrap, settings, loop)
+        # a missing dir is made only once the checks above passed, and locked before any broker
+        datadir.root.mkdir(parents=True, exist_ok=True)
+        datadir.lock()
+        if not bootstrap:
+            embedded_cluster = _start_embedded(loop, datadir, settings, starting)
+            bootstrap = embedded_cluster.broker.bootstrap_servers
+            cluster = embedded_cluster.broker.cluster_id
+        # no thread may run when the local state's readers are forked (below): a new pool,
+        # whose threads start when it is first used
+        start_threads.shutdown(wait=True)
+        loop.set_default_executor(ThreadPoolExecutor())
+    except BaseException:
+        starting.close()
+        raise
     try:
         datadir.claim(DataDir.identity(settings.app_id, settings.events_topic, settings.capacity,
                                        settings.engine_view_max_entries),
@@ -160,19 +188,24 @@ def serve(resolved: Resolved) -> None:
         embedded = is_tansu_id(cluster)
         if embedded:
             apply_remedies()
+        if embedded_cluster is not None:
+            refuse_topic_creation_by_metadata()  # its broker is started again under clients
         shorten_prefetch_backoff()
         try:
             partitions = loop.run_until_complete(ensure_topics(settings, bootstrap))
         except ValueError as exc:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
-        if kept_log is not None:
+        if embedded_cluster is not None:
             from stream.kafka import fetch_gate
 
             fetch_gate.install(settings.idle_poll_s)  # its own broker: its writes pass through here
-            journal = _keep_embedded_log(kept_log, bootstrap, settings, changelog, partitions)
-        log.info("%s", effective_configuration(resolved, bootstrap, broker is not None, partitions,
-                                               changelog))
+            starting.reason = "starting the embedded broker's journal"
+            loop.run_until_complete(asyncio.to_thread(
+                _keep_embedded_log, embedded_cluster, settings, changelog, partitions))
+        starting.reason = "starting the worker"
+        log.info("%s", effective_configuration(resolved, bootstrap, embedded_cluster is not None,
+                                               partitions, changelog))
         if resolved.capacity_source == "default":
             log.warning(
                 "capacity is the Go plugin's default guess (%d items per endpoint), of the "
@@ -188,34 +221,37 @@ def serve(resolved: Resolved) -> None:
             )
         worker, keeper = build_worker(settings, bootstrap, partitions, embedded=embedded,
                               preload=preload,
-                              stored=None if journal is None else journal.wait_stored,
-                              log_problem=lambda: None if journal is None else journal.problem())
+                              embedded_cluster=embedded_cluster,
+                              listening=starting.handover)
         worker.logging_config = logging_config(settings.log_level)
         # On the forced path the local files are kept (RUNNING released): they are written
         # only once the changelog holds their records, so they are never ahead of it. With
         # the embedded broker, only once the kept log holds that changelog too.
         guard_worker(worker, settings.shutdown_timeout_s,
-                     [lambda: _release(datadir, journal, 0.5)])
+                     [lambda: _release(datadir, embedded_cluster, 0.5)])
         worker.execute_from_commandline()
     except SystemExit as exc:
         if not exc.code:
             if keeper is not None and keeper.view_is_stored:
                 _leave_snapshot(datadir, keeper.state)
-            _release(datadir, journal, settings.shutdown_timeout_s)
+            _release(datadir, embedded_cluster, settings.shutdown_timeout_s)
         raise
     finally:
-        if journal is not None:
-            journal.stop()
-        if broker is not None:
-            broker.stop()
+        starting.close()  # a start that ended before the API took the port over
+        if embedded_cluster is not None:
+            embedded_cluster.stop()
 
 
-def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, Any]:
+def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Settings,
+                    starting: StartingServer) -> Any:
     """Start serve's own broker with the cluster id of the log the data dir keeps (a new
-    one for a new dir) and give it that log back, offsets and all; refuse a dir built
-    against another cluster. Returns the broker and the kept log (``EmbeddedLog``)."""
+    one for a new dir) and give it that log back, compacted, at its own offsets; refuse a
+    dir built against another cluster. Returns them as an ``EmbeddedCluster`` (its journal
+    not started yet: the topics are made first)."""
     from stream.kafka.embedded_log import EmbeddedLog
-    from stream.state.store import applied_at
+    from stream.kafka.log_cleaner import Retention, compact, now_ms
+    from stream.kafka.rebase import EmbeddedCluster
+    from stream.state.store import admit_changelog, applied_at
 
     kept = datadir.embedded_cluster()  # refuses a state of another cluster first
     log_files = EmbeddedLog(datadir.log_root)
@@ -223,25 +259,53 @@ def _start_embedded(datadir: Any, settings: Settings) -> tuple[EmbeddedBroker, A
     log.warning("no --bootstrap-servers: started an embedded Kafka-protocol broker (Tansu) on "
                 "%s for development; its log is kept in %s", broker.bootstrap_servers,
                 log_files.root)
+    retention = Retention(settings.embedded_retention_ms, settings.embedded_retention_bytes)
     try:
         if kept is None:
             log_files.create(broker.cluster_id)
         else:
-            if datadir.running.exists():  # killed: its table files are dropped (claim)
-                log_files.cut_unfinished_changelogs(applied_at)
-            restored = asyncio.run(log_files.restore(broker.bootstrap_servers))
+            killed = datadir.running.exists() and not datadir.seed.exists()
+
+            def compact_kept() -> dict[tuple[str, int], Any]:
+                # killed: its table files are dropped (claim), its changelog cut first
+                return compact(log_files, applied_at, admit_changelog,
+                               _tombstones_through(datadir, killed), retention, now_ms(), killed)
+
+            starting.reason = "compacting the embedded broker's kept log"
+            plans = loop.run_until_complete(asyncio.to_thread(compact_kept))  # the port answers meanwhile
+
+            def progress(done: int, total: int) -> None:
+                starting.reason = f"restoring the embedded broker's log: {done} of {total} records"
+
+            restored = loop.run_until_complete(log_files.restore(broker.bootstrap_servers, plans,
+                                                                 progress))
             log.info("embedded broker's log restored from %s: %s", log_files.root,
                      ", ".join(f"{topic} {n} records" for topic, n in restored.items()) or "empty")
     except BaseException:
         broker.stop()
         raise
-    return broker, log_files
+    return EmbeddedCluster(broker, log_files, [], retention, applied_at, admit_changelog)
 
 
-def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, changelog: str,
-                       partitions: int) -> Any:
+def _tombstones_through(datadir: Any, killed: bool) -> Any:
+    """Per partition, the changelog offset up to which compaction may drop tombstones:
+    what the table file holds (all of them when no file is kept; none if it cannot be read)."""
+    def through(partition: int) -> int:
+        if killed:
+            return KEEP_NO_TOMBSTONE
+        try:
+            held = datadir.table_offset(partition)
+        except Exception as exc:  # noqa: BLE001 - a file that cannot be read keeps them all
+            log.warning("cannot read the changelog offset of %s (%s): its tombstones are kept",
+                        datadir.partition_path(partition), exc)
+            return -1
+        return KEEP_NO_TOMBSTONE if held is None else held
+
+    return through
+
+
+def _keep_embedded_log(cluster: Any, settings: Settings, changelog: str, partitions: int) -> None:
     """Record the app's topics in the kept log and start its journal on them."""
-    from stream.kafka.embedded_log import Journal
     from stream.kafka.topics import (
         CHANGELOG_TOPIC_CONFIG,
         DEAD_LETTER_TOPIC_CONFIG,
@@ -251,13 +315,14 @@ def _keep_embedded_log(log_files: Any, bootstrap: str, settings: Settings, chang
     topics = {settings.events_topic: (partitions, EVENTS_TOPIC_CONFIG),
               changelog: (partitions, CHANGELOG_TOPIC_CONFIG),
               settings.dead_letter_topic: (partitions, DEAD_LETTER_TOPIC_CONFIG)}
-    kept = log_files.topics()
-    log_files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
-                            changelogs={changelog: settings.events_topic})
+    kept = cluster.files.topics()
+    cluster.files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
+                                changelogs={changelog: settings.events_topic})
+    cluster.topics = list(topics)
     try:
-        return Journal(log_files, bootstrap, list(topics)).start()
+        cluster.start_journal()
     except RuntimeError as exc:
-        raise SystemExit(f"cannot keep the embedded broker's log in {log_files.root}: "
+        raise SystemExit(f"cannot keep the embedded broker's log in {cluster.files.root}: "
                          f"{exc}") from None
 
 
@@ -282,9 +347,10 @@ def _release(datadir: Any, journal: Any, timeout_s: float) -> None:
         datadir.release()
 
 
-def reach_cluster(bootstrap: str, settings: Settings) -> str:
-    """The cluster's id, asked on a loop of its own that is closed with its resolver
-    threads (the local state's readers are forked afterwards). aiokafka's own error
+def reach_cluster(bootstrap: str, settings: Settings,
+                  loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """The cluster's id, asked on ``loop`` (serve ends its resolver threads before the
+    local state's readers are forked), else on a loop of its own. aiokafka's own error
     lines are held back: the one line below says it all."""
     from stream.kafka.tansu import cluster_id
 
@@ -293,7 +359,8 @@ def reach_cluster(bootstrap: str, settings: Settings) -> str:
     if not log.isEnabledFor(logging.DEBUG):
         client_log.setLevel(logging.CRITICAL)
     try:
-        return asyncio.run(cluster_id(bootstrap, settings.kafka))
+        asked = cluster_id(bootstrap, settings.kafka)
+        return asyncio.run(asked) if loop is None else loop.run_until_complete(asked)
     except Exception as exc:  # any failure to reach the cluster is one line, not a traceback
         raise SystemExit(f"cannot reach the Kafka cluster at {bootstrap} ({exc or type(exc).__name__}): "
                          "check --bootstrap-servers and the MMCACHE_KAFKA_* settings") from None

@@ -1,4 +1,5 @@
-"""Rebuild replay speed against a raw aiokafka consume of the same topic."""
+"""Rebuild replay speed against a raw aiokafka consume of the same topic, and a rebuild
+from a changelog's checkpoint against the whole replay."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from stream.config import KafkaSecurity, Settings
 from stream.core.codec import encode_event
 from stream.kafka.clients import client_options
 from stream.kafka.topics import EVENTS_TOPIC_CONFIG, ensure_topic
-from stream.state.rebuild import rebuild
+from stream.state.datadir import DataDir
+from stream.state.rebuild import Until, rebuild, seed_deployment
 
 __all__ = ["produce_placements", "raw_consume_rate", "replay_figures"]
 
@@ -75,10 +77,48 @@ def replay_figures(bootstrap: str, events: int, runs: int) -> list[Figure]:
             settings = Settings(bootstrap_servers=bootstrap, topic=topic, app_id="bench",
                                 data_dir=Path(tmp) / "state")
             started = time.perf_counter()
-            rebuild(settings)
+            digest = rebuild(settings)
             walls.append(time.perf_counter() - started)
     wall = sorted(walls)[runs // 2]
     rate = events / wall
+    return [*_rate_figures(events, runs, rate, wall, walls, control, controls),
+            checkpoint_figure(bootstrap, topic, events, runs, wall, digest)]
+
+
+def checkpoint_figure(bootstrap: str, topic: str, events: int, runs: int, whole_wall: float,
+                      digest: str, share: float = 0.9, partitions: int = 8) -> Figure:
+    """`rebuild --from-checkpoint` of the topic, the changelog holding the state after the
+    first ``share`` of each partition as a seeded deployment writes it (one record a key,
+    as a compacted changelog): its wall time against the whole replay's."""
+    app = f"bench-checkpoint-{time.time_ns()}"
+    cut = max(0, int(events / partitions * share) - 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        seed = Settings(bootstrap_servers=bootstrap, topic=topic, app_id=app,
+                        data_dir=Path(tmp) / "seed")
+        rebuild(seed, Until(offset=cut))
+        asyncio.run(seed_deployment(bootstrap, DataDir(seed.data_dir), app, topic, seed))
+    walls = []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = Settings(bootstrap_servers=bootstrap, topic=topic, app_id=app,
+                                data_dir=Path(tmp) / "state", from_checkpoint=True)
+            started = time.perf_counter()
+            if rebuild(settings) != digest:
+                raise AssertionError("rebuild from the checkpoint differs from the whole replay")
+            walls.append(time.perf_counter() - started)
+    wall = sorted(walls)[runs // 2]
+    per_million = 1_000_000 / events
+    return Figure("rebuild_from_checkpoint_wall_time_per_1m_events", round(wall * per_million, 2),
+                  "s", "<= the whole replay's", wall <= whole_wall,
+                  round(whole_wall * per_million, 2), round(wall / whole_wall, 3),
+                  f"checkpoint in the changelog after offset {cut} of each of {partitions} "
+                  f"partitions (the whole state, one record a key), then the events after it; "
+                  f"digest equal to the whole replay's; {runs} runs, "
+                  f"{span([w * per_million for w in walls], 2)} s")
+
+
+def _rate_figures(events: int, runs: int, rate: float, wall: float, walls: list[float],
+                  control: float, controls: list[float]) -> list[Figure]:
     return [
         Figure("rebuild_replay_rate", round(rate), "events/s",
                ">= 250000 events/s and >= 0.6 x raw aiokafka consume",

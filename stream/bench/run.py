@@ -87,6 +87,13 @@ def _state_poll(bootstrap: str, quick: bool, scale: float | None) -> list[Figure
                               3 if scale else 4 if quick else 10, 1 if scale or quick else 5)
 
 
+def _body_attack(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.body_attack import body_attack_figures
+
+    # a test's run (``scale``) sends a share of the bytes: its figures are whole, not a measure
+    return body_attack_figures(1 if quick or scale else 5, wire=_sized(15_600_000, 0, scale))
+
+
 def _failover(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.failover import failover_figures
 
@@ -100,6 +107,18 @@ def _scale3(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
                          1 if quick or scale else 3)
 
 
+def _big_bodies(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.big_bodies import big_body_figures
+
+    return big_body_figures(bootstrap, 2 if scale else 5 if quick else 15, 1 if quick or scale else 3)
+
+
+def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.soak import soak_figures
+
+    return soak_figures(quick, scale)  # on serve's own embedded broker, whatever ``bootstrap``
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -107,11 +126,31 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "replay": _replay,
     "restart": _restart,
     "state_poll": _state_poll,
+    "body_attack": _body_attack,
     "failover": _failover,
     "scale3": _scale3,
+    "big_bodies": _big_bodies,
+    "soak": _soak,
     "idle": _idle,
     "match_embedded": _match_embedded,
 }
+
+
+def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
+            now: str) -> tuple[list[dict[str, object]], dict[str, object]]:
+    """The figures of ``out`` with those of this partial run in place of their old values
+    (by name), and the file's date kept, with what this run updated and when."""
+    try:
+        previous = orjson.loads(out.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return rows, meta
+    if not isinstance(previous, dict) or previous.get("quick") != meta["quick"]:
+        return rows, meta
+    fresh = {row["name"] for row in rows}
+    kept = [row for row in previous.get("figures", []) if row.get("name") not in fresh]
+    updated = dict(previous.get("updated", {}))
+    updated.update({name: now for name in only})
+    return kept + rows, {**meta, "date": previous.get("date", now), "updated": updated}
 
 
 def refuse_quick_over_full(out: Path) -> None:
@@ -147,13 +186,17 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     finally:
         if broker is not None:
             broker.stop()
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "quick": quick,
-            "machine": f"{platform.machine()}, {platform.python_implementation()} "
-                       f"{platform.python_version()}"}
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    meta: dict[str, object] = {"date": now, "quick": quick,
+                               "machine": f"{platform.machine()}, {platform.python_implementation()} "
+                                          f"{platform.python_version()}"}
+    rows = [f.as_json() for f in figures]
+    if only:  # a partial run updates its own figures in the file, never drops the others
+        rows, meta = _merged(out, rows, meta, only, now)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps({**meta, "figures": [f.as_json() for f in figures]},
-                                 option=orjson.OPT_INDENT_2))
-    table = render_table(figures)
+    out.write_bytes(orjson.dumps({**meta, "figures": rows}, option=orjson.OPT_INDENT_2))
+    table = render_table([Figure(**{("passed" if k == "pass" else k): v for k, v in row.items()})
+                          for row in rows])
     out.with_suffix(".md").write_text(f"{meta['date']} ({'quick' if quick else 'full'})\n\n{table}\n")
     print(table)
     return figures

@@ -13,9 +13,10 @@ With a token file, writes and ``/v1/state`` (and, with its own file, ``/v1/match
 whose file is not set is built without it, so open ``/v1/match`` pays nothing for it.
 
 No request holds the event loop for more than a few milliseconds (CONTRACT): a big body
-is read in a child process (``stream.http.body_reader``), extraction stops at the limits
-(``stream.http.bodies``), a match's answer is bounded (``max_match_pairs``) and a wide one is
-built in slices with the loop turning between them; an event the log could never take
+is read by a pool of child processes (``stream.http.body_reader``, writes before matches,
+each body with a deadline), extraction stops at the limits (``stream.http.bodies``), a
+match's answer is bounded (``max_match_pairs``) and a wide one is built in slices with
+the loop turning between them; an event the log could never take
 is refused before it is sent; and a request the server cannot parse is answered without
 what it held (``stream.http.server``).
 """
@@ -47,7 +48,7 @@ from stream.http.bodies import (
     match_query,
     placement,
 )
-from stream.http.body_reader import BodyReader
+from stream.http.body_reader import DEADLINE_S, BodyReader
 from stream.http.digest import digest_without_blocking
 from stream.http.models import EndpointDeletedRequest, ReadinessBody, check_placement
 from stream.http.openapi import openapi_document
@@ -141,6 +142,8 @@ class HttpApi:
         write_tokens: TokenFile | None = None,
         match_tokens: TokenFile | None = None,
         match_source: str = "auto",
+        body_readers: int | None = None,
+        body_read_timeout_s: float = DEADLINE_S,
     ) -> None:
         self.state = state
         self.match_source = match_source
@@ -151,7 +154,8 @@ class HttpApi:
         metrics.readiness = self._ready_now
         self.write_tokens = write_tokens
         self.match_tokens = match_tokens
-        self.bodies = BodyReader(limits)
+        self.bodies = BodyReader(limits, readers=body_readers, deadline_s=body_read_timeout_s)
+        metrics.registry.register(self.bodies)
 
     def routes(self) -> ApiRoutes:
         """Every route of CONTRACT, each answering its errors as CONTRACT's JSON, timed
@@ -177,8 +181,13 @@ class HttpApi:
         return ApiRoutes(table, self._unmatched, self.limits.max_body_bytes)
 
     def server(self) -> HttpServer:
-        """The HTTP server of these routes; closing it stops the body reader's child too."""
-        return HttpServer(self.routes(), on_close=self.bodies.close)
+        """The HTTP server of these routes, within the limits' connection cap and body
+        budget (its figures exported with the metrics); closing it stops the body
+        reader's child too."""
+        server = HttpServer(self.routes(), on_close=self.bodies.close,
+                            max_connections=self.limits.max_connections, body_budget=self.limits.body_budget)
+        self.metrics.http_server = server
+        return server
 
     def _endpoint(self, name: str, handler: Handler, tokens: TokenFile | None = None,
                   now: Now | None = None) -> Endpoint:
@@ -270,15 +279,15 @@ class HttpApi:
         """Score candidate endpoints by the request items they probably hold.
 
         The body is read by ``stream.http.bodies.match_query`` (on the loop when small, else
-        in the child process). A match of a few pairs is answered in one go; a wider one
-        by ``_wide_match``.
+        by the pool of child processes). A match of a few pairs is answered in one go; a wider
+        one by ``_wide_match``.
         """
         query = request.scratch if isinstance(request.scratch, MatchQuery) else None
         if query is None:
             chunks = request.chunks
             raw = self.bodies.small(chunks)
             query = match_query(raw, self.limits) if raw is not None else \
-                await self.bodies.in_child(match_query, chunks)
+                await self.bodies.in_child(match_query, chunks, request.remote)
         if len(query.items) * len(query.endpoints) > _ONE_GO_PAIRS:
             return await self._wide_match(query.items, query.endpoints)
         return self._narrow_match(query)
@@ -380,7 +389,7 @@ class HttpApi:
         return Response(parts=parts)
 
     async def _read(self, reader: Callable[[bytes, Limits], Any], request: Request) -> Any:
-        return await self.bodies.read(reader, request.chunks)
+        return await self.bodies.read(reader, request.chunks, request.remote)
 
     async def placements(self, request: Request) -> Response:
         """Record that a request's items were sent to endpoints (one event per endpoint)."""

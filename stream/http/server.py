@@ -18,6 +18,16 @@ What it keeps of a server's duties, each here and nowhere else:
   API's ``max_body_bytes`` (by ``Content-Length`` before it is read, else as it comes:
   413), and every byte of a request (chunk extensions and trailers too) against
   ``max_body_bytes`` + ``MAX_HEAD``;
+- what all clients together hold: a body is one buffer its chunks are joined into as
+  they come (it costs about its bytes, however small its chunks), and the bodies in
+  flight, from their first byte to their answer, hold at most ``body_budget`` bytes over
+  the whole server (what each buffer holds, its slack too): a body that would go over is
+  refused with 503 ``server_busy`` and ``Retry-After``, before it is read when its
+  ``Content-Length`` says so, else as it comes; at most ``max_connections`` connections
+  are open, a new one over it is closed at once; each is counted (``refusals``);
+- RFC 9112's corners: an absolute-form target is routed by its path, a transfer coding
+  other than ``chunked`` is 501, a second ``Host`` 400, an expectation other than
+  ``100-continue`` 417, a major version other than 1 505;
 - malformed requests: answered with CONTRACT's JSON 400 naming what was wrong by kind
   only, and a WARNING line without the request (a parser's message can hold the bytes
   it refused, an ``Authorization`` header's token among them), one per ``REFUSAL_LOG_S``
@@ -27,8 +37,11 @@ What it keeps of a server's duties, each here and nowhere else:
   a valid token, 413 by ``Content-Length``, 404/405), and the body is then discarded;
 - keep-alive, pipelining (answers in request order), ``Expect: 100-continue``, HEAD;
 - time: a head must come whole within ``HEAD_TIMEOUT_S``, a body must not stall for
-  ``BODY_IDLE_S`` nor come slower than ``BODY_MIN_RATE`` on the whole, a refused body is
-  lingered on for ``LINGER_S`` at most, a client that takes none of its answers for
+  ``BODY_IDLE_S`` nor come slower than ``BODY_MIN_RATE`` on the whole; after a refusal
+  that ends the connection the server shuts its side and reads and drops what the client
+  still sends, as nginx's lingering close, until the client closes, for ``LINGER_S`` at
+  most and ``LINGER_IDLE_S`` without a byte (a client that sends its whole body before
+  reading reads its 413 rather than a reset); a client that takes none of its answers for
   ``BODY_IDLE_S`` is cut off, an idle keep-alive connection is closed after ``KEEPALIVE_S``
   (the times are parameters of ``HttpServer``);
 - backpressure: a client that does not read its answers is not read from, and one long
@@ -41,18 +54,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
+import socket
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import httptools
 import orjson
 
-__all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "LINGER_S", "MAX_HEAD", "MAX_HEADERS", "MAX_LINE",
-           "Endpoint", "HttpServer", "Request", "Response", "Routes"]
+__all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "LINGER_IDLE_S", "LINGER_S", "MAX_CONNECTIONS",
+           "MAX_HEAD", "MAX_HEADERS", "MAX_LINE", "RETRY_AFTER_S", "Endpoint", "HttpServer", "Request",
+           "Response", "Routes", "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +88,21 @@ KEEPALIVE_S = 75.0
 #: Bytes a body must average per second after its first ``BODY_IDLE_S`` (a byte now and
 #: then keeps no request open for ever).
 BODY_MIN_RATE = 64 * 1024
-#: Bytes of a refused body read (and dropped) before the connection is closed, so
-#: that the client reads the answer rather than a reset; past it the answer says
-#: ``Connection: close``.
+#: Bytes of a refused body read (and dropped) to keep the connection for the next
+#: request; past it the answer says ``Connection: close`` and the rest is lingered on.
 LINGER_BYTES = 1 << 20
-#: Seconds a refused body is read (and dropped) at most, likewise.
-LINGER_S = 2.0
+#: Seconds the server reads and drops what a client still sends after an answer that
+#: closes the connection, at most, and without a byte: nginx's ``lingering_time`` and
+#: ``lingering_timeout`` (64 MiB at 100 Mbit/s take ~5 s).
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
+#: Open connections at most (``MMCACHE_MAX_CONNECTIONS``).
+MAX_CONNECTIONS = 4096
+#: Seconds a client refused for the body budget is told to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+#: Open files the process needs besides its HTTP connections (broker clients, RocksDB,
+#: the kept log, the body reader's pipes).
+OTHER_FILES = 512
 #: Bytes of one read parsed at a time, the seconds one turn of the loop parses for and
 #: the requests it answers at most, before the rest waits for the next turn (a burst of
 #: pipelined requests holds the loop ~1 ms at a time).
@@ -103,10 +129,9 @@ _JSON = "application/json"
 
 class Request:
     """One request as the routes see it: method, path, query, headers, and the whole body
-    as the chunks it came in (never joined here)."""
+    in one buffer (its chunks joined as they came)."""
 
-    __slots__ = ("_query", "chunks", "headers", "method", "path", "query_string", "remote", "scratch",
-                 "size")
+    __slots__ = ("_query", "body", "headers", "method", "path", "query_string", "remote", "scratch")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str],
                  remote: str | None) -> None:
@@ -115,10 +140,19 @@ class Request:
         self.query_string = query_string
         self.headers = headers  # lower-case names; a repeated header keeps its first value
         self.remote = remote
-        self.chunks: list[bytes] = []
-        self.size = 0
+        self.body = bytearray()
         self.scratch: Any = None  # what a route's ``now`` leaves for its ``handle``
         self._query: dict[str, str] | None = None
+
+    @property
+    def chunks(self) -> list[bytearray]:
+        """The body as a sequence of chunks (the body reader's interface): one, or none."""
+        return [self.body] if self.body else []
+
+    @property
+    def size(self) -> int:
+        """Bytes of the body so far."""
+        return len(self.body)
 
     @property
     def query(self) -> dict[str, str]:
@@ -189,10 +223,13 @@ class Routes:
 
 
 class _Refused(Exception):
-    """A request this server refuses before routing it; ``kind`` names it in the log."""
+    """A request this server refuses before routing it; ``kind`` names it in the log,
+    ``status`` and ``code`` are its answer's."""
 
     kind = "Refused"
     what = "the request is malformed"
+    status = 400
+    code = "bad_request"
 
 
 class LineTooLong(_Refused):
@@ -220,6 +257,32 @@ class UpgradeRefused(_Refused):
     what = "protocol upgrades are not served"
 
 
+class DuplicateHost(_Refused):  # RFC 9112 section 3.2
+    kind = "DuplicateHost"
+    what = "more than one Host header"
+
+
+class CodingNotImplemented(_Refused):  # RFC 9112 section 6.1
+    kind = "TransferCodingNotImplemented"
+    what = "a transfer coding other than chunked (only chunked is served)"
+    status = 501
+    code = "not_implemented"
+
+
+class ExpectationFailed(_Refused):  # RFC 9110 section 10.1.1
+    kind = "ExpectationFailed"
+    what = "an expectation other than 100-continue"
+    status = 417
+    code = "expectation_failed"
+
+
+class VersionNotSupported(_Refused):  # RFC 9110 section 15.6.6
+    kind = "HttpVersionNotSupported"
+    what = "an HTTP major version other than 1 (HTTP/1.0 and HTTP/1.1 are served)"
+    status = 505
+    code = "http_version_not_supported"
+
+
 # What was wrong, by the parser's exception class, most specific first: never its text.
 _WHAT = (
     (httptools.HttpParserInvalidMethodError, "the request line has no valid method"),
@@ -239,15 +302,26 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, "the request could not be read"
 
 
-def _bad_body(what: str, kind: str) -> bytes:
-    return orjson.dumps({"error": {"code": "bad_request", "message": f"{what} ({kind}); nothing was read"}})
+def _bad_body(what: str, kind: str, code: str = "bad_request") -> bytes:
+    return orjson.dumps({"error": {"code": code, "message": f"{what} ({kind}); nothing was read"}})
 
 
-def _bad_request(what: str, kind: str) -> bytes:
-    body = _bad_body(what, kind)
-    # HTTP/1.0: the request's own version may be what could not be read
-    return b"HTTP/1.0 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
-           b"Connection: close\r\n\r\n%s" % (len(body), body)
+def _refusal(what: str, kind: str, status: int = 400, code: str = "bad_request") -> bytes:
+    body = _bad_body(what, kind, code)
+    # a 400 says HTTP/1.0: the request's own version may be what could not be read
+    version = b"HTTP/1.0" if status == 400 else b"HTTP/1.1"
+    return b"%s %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
+           b"Connection: close\r\n\r\n%s" % (version, status, _PHRASES[status], len(body), body)
+
+
+_BUSY = orjson.dumps({"error": {"code": "server_busy", "message": "the server holds as many request bodies "
+                                "as it may (body_budget_bytes); nothing was read, retry later"}})
+
+
+def _busy() -> Response:
+    """The answer to a body over the server's budget (a fresh one: its request's ``close``
+    is its own)."""
+    return Response(_BUSY, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 _FAILED = orjson.dumps({"error": {"code": "internal_error",
@@ -260,7 +334,7 @@ _SERVER_ERROR = b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: applicatio
 class _Exchange:
     """One request from its first byte to its answer."""
 
-    __slots__ = ("answer", "close", "dropped", "endpoint", "head_only", "keep_alive", "request")
+    __slots__ = ("answer", "charged", "close", "dropped", "endpoint", "head_only", "keep_alive", "request")
 
     def __init__(self, request: Request, endpoint: Endpoint, close: bool, head_only: bool) -> None:
         self.request = request
@@ -270,6 +344,7 @@ class _Exchange:
         self.keep_alive = False  # an HTTP/1.0 keep-alive, announced in the answer
         self.answer: Response | None = None  # answered before its body came
         self.dropped = 0  # bytes of a refused body dropped
+        self.charged = 0  # bytes of its body counted against the server's budget
 
 
 class _Stop(Exception):
@@ -315,22 +390,35 @@ class _Connection(asyncio.Protocol):
         self._scheduled = False
         self._turn = 0  # requests answered this turn of the loop
         self._continue: _Exchange | None = None  # owed "100 Continue" once the answers before it are sent
-        self._linger = -1  # bytes still dropped before closing (>= 0: lingering)
+        self._linger_until = 0.0  # lingering: the loop's time it ends at, at the latest (0: not lingering)
+        self._linger_after = False  # ``last`` is a refusal: linger once it is sent
+        self._answering: _Exchange | None = None  # the request a route answers in a task
 
     # -- the transport's side --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self.server
+        if len(server.connections) >= server.max_connections:  # over the cap: closed at once
+            server.refusals["connection_cap"] += 1
+            self.closing = True
+            transport.abort()
+            return
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) else None
-        self.server.connections.add(self)
+        server.connections.add(self)
         self._arm(self._keepalive)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self._linger = -1
+        self._linger_until = 0.0
         self._backlog = b""
         self.server.connections.discard(self)
+        # what its bodies held is given back (a route answering gives its own back when it ends)
+        if self.current is not None:
+            self._release(self.current)
+        for exchange in self.queue:
+            self._release(exchange)
         # a route answering goes on (a write it began is not cut short); its answer is dropped
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
@@ -358,10 +446,8 @@ class _Connection(asyncio.Protocol):
                 self.loop.call_soon(self._read_next_turn)
                 self._update_reading()
             if self.closing:
-                if self._linger >= 0:  # a refused request's rest, dropped
-                    self._linger -= len(data)
-                    if self._linger < 0 and self.transport is not None:
-                        self.transport.close()
+                if self._linger_until:  # what a refused client still sends, dropped
+                    self.deadline = min(self.loop.time() + self.server.linger_idle_s, self._linger_until)
                 return
             if self.last is not None:
                 return
@@ -473,6 +559,11 @@ class _Connection(asyncio.Protocol):
         if len(self._headers) * (MAX_LINE + 2) + len(url) > MAX_HEAD and len(url) + sum(  # else it cannot be
                 len(name) + len(value) + 4 for name, value in self._headers) > MAX_HEAD:
             raise HeadTooLarge()  # the whole head, however many reads it came in
+        if parser.get_http_version()[:2] != "1.":
+            raise VersionNotSupported()
+        _check_framing(self._headers)
+        if url[:1] != b"/":
+            url = _origin_form(url)
         path, _, query = url.partition(b"?")
         method = parser.get_method().decode("latin-1")
         if ("upgrade" in headers or method == "CONNECT") and parser.should_upgrade() and (
@@ -489,8 +580,11 @@ class _Connection(asyncio.Protocol):
         self.current = exchange
         answer = endpoint.head(request) if endpoint.head is not None else None
         length = request.content_length
-        if answer is None and length is not None and length > routes.max_body:
-            answer = endpoint.too_large(request)
+        if answer is None and length is not None:
+            if length > routes.max_body:
+                answer = endpoint.too_large(request)
+            elif length and self.server.body_bytes + length > self.server.body_budget:
+                answer = self._over_budget()
         expect = "expect" in headers and headers["expect"].lower() == "100-continue"
         if answer is not None:
             exchange.answer = answer
@@ -516,14 +610,37 @@ class _Connection(asyncio.Protocol):
                 self._cut(exchange)
             return
         request = exchange.request
-        request.size += len(body)
-        if request.size > self.routes.max_body:
-            request.chunks.clear()
-            exchange.answer, exchange.close = exchange.endpoint.too_large(request), True
-            if not self.queue and self.busy is None and not self._write_paused:
-                self._write(exchange, exchange.answer)
+        buffer = request.body
+        buffer += body
+        if len(buffer) > self.routes.max_body:
+            self._refuse_body(exchange, exchange.endpoint.too_large(request))
             return
-        request.chunks.append(body)
+        server = self.server
+        held = buffer.__alloc__()  # what it holds, its slack too
+        server.body_bytes += held - exchange.charged
+        exchange.charged = held
+        if server.body_bytes > server.body_budget:
+            self._refuse_body(exchange, self._over_budget())
+
+    def _refuse_body(self, exchange: _Exchange, answer: Response) -> None:
+        """A body refused as it comes: what it held is given back, the rest is dropped."""
+        self._release(exchange)
+        exchange.answer, exchange.close = answer, True
+        if not self.queue and self.busy is None and not self._write_paused:
+            self._write(exchange, answer)
+
+    def _over_budget(self) -> Response:
+        self.server.refusals["body_budget"] += 1
+        return _busy()
+
+    def _release(self, exchange: _Exchange) -> None:
+        """Its body is no longer held here: dropped (never changed: a reader may still
+        hold it) and no longer counted against the budget."""
+        if exchange.charged:
+            self.server.body_bytes -= exchange.charged
+            exchange.charged = 0
+        if exchange.request.body:
+            exchange.request.body = bytearray()
 
     def on_message_complete(self) -> None:
         exchange, self.current = self.current, None
@@ -611,7 +728,7 @@ class _Connection(asyncio.Protocol):
         if self._read_held:
             want = False
         elif self.closing:
-            want = self._linger >= 0
+            want = self._linger_until > 0
         else:
             want = self.busy is None and not self._write_paused and not self._backlog and self.last is None \
                 and not self.queue
@@ -633,12 +750,14 @@ class _Connection(asyncio.Protocol):
             return
         finally:
             self.busy = None
+            self._release(exchange)
         if not self.closing:
             self._go_on()
 
     def _write(self, exchange: _Exchange, answer: Response) -> None:
         transport = self.transport
         exchange.request.scratch = _WRITTEN
+        self._release(exchange)
         if transport is None or self.closing:
             return
         close = exchange.close or self.server.stopping
@@ -665,6 +784,7 @@ class _Connection(asyncio.Protocol):
         that takes nothing for ``body_idle_s`` is aborted by the sweep, which ends this)."""
         transport = self.transport
         exchange.request.scratch = _WRITTEN
+        self._release(exchange)
         if transport is None or self.closing:
             return
         close = exchange.close or self.server.stopping
@@ -688,15 +808,18 @@ class _Connection(asyncio.Protocol):
         answers due before it; nothing it held is logged or echoed, and the warnings are
         one line per ``REFUSAL_LOG_S`` at most."""
         kind, what = _describe(exc)
-        self.server.refused(self.remote, kind)
+        status, code = (exc.status, exc.code) if isinstance(exc, _Refused) else (400, "bad_request")
+        self.server.refused(self.remote, kind, status)
+        if self.current is not None:
+            self._release(self.current)
         self.current, self._in_head = None, False
-        self._end_after_answers(_bad_request(what, kind))
+        self._end_after_answers(_refusal(what, kind, status, code), linger=True)
 
     def _too_large(self, exchange: _Exchange) -> None:
         """More bytes of one request than its body and head may hold (a trailer or a chunk
         extension without end counts): 413, and nothing more of it is read."""
         if exchange.answer is None:
-            exchange.request.chunks.clear()
+            self._release(exchange)
             exchange.answer = exchange.endpoint.too_large(exchange.request)
         self._cut(exchange)
 
@@ -704,7 +827,7 @@ class _Connection(asyncio.Protocol):
         """A 400, and nothing more of the request is read."""
         self.server.refused(self.remote, FramingTooLarge.kind)
         if exchange.answer is None:
-            exchange.request.chunks.clear()
+            self._release(exchange)
             exchange.answer = Response(_bad_body(FramingTooLarge.what, FramingTooLarge.kind), 400)
         self._cut(exchange)
 
@@ -721,10 +844,13 @@ class _Connection(asyncio.Protocol):
             self.current = None
             self.queue.append(exchange)
             self.last = b""
+            self._linger_after = True
             self._update_reading()
 
-    def _end_after_answers(self, last: bytes) -> None:
-        """Read nothing more; send ``last`` once the answers due are, then close."""
+    def _end_after_answers(self, last: bytes, linger: bool = False) -> None:
+        """Read nothing more; send ``last`` once the answers due are, then close (after
+        lingering on what the client still sends, for a refusal)."""
+        self._linger_after = linger
         if self.busy is None and not self.queue:
             self._send_and_close(last)
         else:
@@ -734,7 +860,10 @@ class _Connection(asyncio.Protocol):
     def _send_and_close(self, raw: bytes) -> None:
         if self.transport is not None and not self.closing:
             self.transport.write(raw)
-        self._close_after_answers()
+        if self._linger_after:
+            self._linger_out()
+        else:
+            self._close_after_answers()
 
     def _close_after_answers(self) -> None:
         """Close once what was written is sent (the transport flushes it first; a client
@@ -745,17 +874,21 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _linger_out(self) -> None:
-        """Close after an answer whose request's bytes may still come: the answer is
-        sent and our side shut, and what still comes is read and dropped (at most
-        ``LINGER_BYTES``, ``linger_s``), so that the client reads the answer rather than
-        a reset."""
+        """Close after an answer whose request's bytes may still come, as nginx's
+        lingering close: the answer is sent and our side shut, and what still comes is
+        read and dropped until the client closes, for ``linger_s`` at most and
+        ``linger_idle_s`` without a byte, so that a client that sends its whole body
+        before reading reads the answer rather than a reset."""
+        if self.current is not None:
+            self._release(self.current)
         self.current, self._in_head = None, False
         transport = self.transport
         if transport is None or self.closing:
             return
         self.closing = True
-        self._linger = LINGER_BYTES
-        self.deadline = self.loop.time() + self.server.linger_s
+        now = self.loop.time()
+        self._linger_until = now + self.server.linger_s
+        self.deadline = min(now + self.server.linger_idle_s, self._linger_until)
         if transport.can_write_eof():
             transport.write_eof()
         self._update_reading()
@@ -786,8 +919,10 @@ class _Connection(asyncio.Protocol):
         if transport is None:
             return
         if self.closing:  # lingering, or flushing a last answer: no longer
-            if self._linger >= 0 and not transport.get_write_buffer_size():
-                self._linger = -1
+            if self._linger_until and not transport.get_write_buffer_size():
+                if now >= self._linger_until:  # still sending when its time was up
+                    self.server.refusals["linger_cut"] += 1
+                self._linger_until = 0.0
                 self.deadline = now + self.server.body_idle_s
                 transport.close()
             else:
@@ -819,6 +954,81 @@ class _Connection(asyncio.Protocol):
 _WRITTEN = object()  # ``Request.scratch`` once the request's answer was written
 
 
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The server TLS context of ``--tls-cert``/``--tls-key`` (``None``: plain HTTP);
+    a pair that cannot be loaded stops the start with one line naming the flags."""
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"configuration error: --tls-cert {cert} / --tls-key {key}: "
+                         f"cannot load them ({type(exc).__name__}: {exc.strerror or exc})") from None
+    return context
+
+
+def _open_files_for(connections: int) -> None:
+    """Raise the soft open-files limit to what ``connections`` need, as Redis does for its
+    ``maxclients`` (past the limit, accepting fails and the listener pauses); one warning
+    when the hard limit is lower."""
+    want = connections + OTHER_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        new = soft
+    if new < want:
+        log.warning("the open files limit is %d, under the %d that %d HTTP connections need: raise it "
+                    "(ulimit -n) or lower MMCACHE_MAX_CONNECTIONS", new, want, connections)
+
+
+def _check_framing(headers: list[tuple[bytes, bytes]]) -> None:
+    """RFC 9112's refusals by the header lines: a second ``Host`` (section 3.2), a
+    transfer coding other than a single final ``chunked`` over every
+    ``Transfer-Encoding`` line (section 6.1: 501; the parser reads ``gzip, chunked`` as
+    chunked), an expectation other than ``100-continue`` (RFC 9110 section 10.1.1: 417)."""
+    hosts = 0
+    codings: list[bytes] = []
+    for name, value in headers:
+        size = len(name)
+        if size != 4 and size != 6 and size != 17:  # noqa: PLR1714 - the common headers skip the rest
+            continue
+        lower = name.lower()
+        if lower == b"host":
+            hosts += 1
+            if hosts > 1:
+                raise DuplicateHost()
+        elif lower == b"expect":
+            if value.strip().lower() != b"100-continue":
+                raise ExpectationFailed()
+        elif lower == b"transfer-encoding":
+            codings.extend(coding.strip().lower() for coding in value.split(b","))
+    if codings and codings != [b"chunked"]:
+        if any(coding != b"chunked" for coding in codings):
+            raise CodingNotImplemented()
+        raise _Refused()  # chunked twice
+
+
+def _origin_form(url: bytes) -> bytes:
+    """The path and query of an absolute-form target (RFC 9112 section 3.2.2), which a
+    server must accept; any other target as it is."""
+    scheme, sep, rest = url.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return url
+    cut = len(rest)
+    for mark in (b"/", b"?"):
+        at = rest.find(mark)
+        if 0 <= at < cut:
+            cut = at
+    target = rest[cut:]
+    return target if target[:1] == b"/" else b"/" + target
+
+
 class HttpServer:
     """Serves ``routes`` on a host and port of the running loop, over TLS when given a
     context; ``close`` stops taking connections and ends the open ones."""
@@ -826,7 +1036,8 @@ class HttpServer:
     def __init__(self, routes: Routes, on_close: Callable[[], Awaitable[None]] | None = None, *,
                  keepalive_s: float | None = None, head_timeout_s: float | None = None,
                  body_idle_s: float | None = None, linger_s: float | None = None,
-                 sweep_s: float | None = None) -> None:
+                 linger_idle_s: float | None = None, sweep_s: float | None = None,
+                 max_connections: int | None = None, body_budget: int | None = None) -> None:
         self.routes = routes
         self.on_close = on_close
         # the module's figures unless given (tests give small ones)
@@ -834,23 +1045,40 @@ class HttpServer:
         self.head_timeout_s = HEAD_TIMEOUT_S if head_timeout_s is None else head_timeout_s
         self.body_idle_s = BODY_IDLE_S if body_idle_s is None else body_idle_s
         self.linger_s = LINGER_S if linger_s is None else linger_s
+        self.linger_idle_s = LINGER_IDLE_S if linger_idle_s is None else linger_idle_s
         self.sweep_s = SWEEP_S if sweep_s is None else sweep_s
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        #: bytes the bodies in flight may hold together (default: four of the largest)
+        self.body_budget = 4 * routes.max_body if body_budget is None else body_budget
+        self.body_bytes = 0  # what they hold now
+        #: what was refused for a bound: connections over the cap, bodies over the budget,
+        #: lingering closes cut while the client still sent
+        self.refusals = {"connection_cap": 0, "body_budget": 0, "linger_cut": 0}
         self._refusals_logged_at = -REFUSAL_LOG_S  # the loop's time of the last warning
         self._refusals_left_out = 0
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # routes answering in tasks of their own
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
+        self._more_servers: list[asyncio.AbstractServer] = []  # other addresses of the host
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-                    backlog: int = 1024) -> int:
-        """Listen; return the port (the one chosen when ``port`` is 0)."""
+                    backlog: int = 1024, sock: list[socket.socket] | None = None) -> int:
+        """Listen (on ``sock`` when given sockets already listening: `serve` binds its port
+        at start, ``stream.http.starting``); return the port (the one chosen for 0)."""
+        _open_files_for(self.max_connections)
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
-                                                     ssl=ssl_context, backlog=backlog,
-                                                     reuse_address=True)
+        if sock:
+            servers = [await self.loop.create_server(lambda: _Connection(self), sock=listening,
+                                                     ssl=ssl_context, backlog=backlog)
+                       for listening in sock]
+            self._server, self._more_servers = servers[0], servers[1:]
+        else:
+            self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
+                                                         ssl=ssl_context, backlog=backlog,
+                                                         reuse_address=True)
         self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
 
@@ -862,7 +1090,7 @@ class HttpServer:
             connection.expire(now)
         self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
 
-    def refused(self, remote: str | None, kind: str) -> None:
+    def refused(self, remote: str | None, kind: str, status: int = 400) -> None:
         """One WARNING line per ``REFUSAL_LOG_S`` about refused requests, the next one
         saying how many were left out (a client sending garbage floods no log)."""
         now = self.loop.time()
@@ -870,8 +1098,9 @@ class HttpServer:
             self._refusals_left_out += 1
             return
         left_out, self._refusals_left_out, self._refusals_logged_at = self._refusals_left_out, 0, now
-        log.warning("refused a malformed HTTP request from %s with 400: %s (the request is not logged)%s",
-                    remote, kind, f"; {left_out} more refused before it, not logged" if left_out else "")
+        log.warning("refused a malformed HTTP request from %s with %d: %s (the request is not logged)%s",
+                    remote, status, kind,
+                    f"; {left_out} more refused before it, not logged" if left_out else "")
 
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (at most ``SHUTDOWN_S``), close
@@ -879,8 +1108,9 @@ class HttpServer:
         self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is not None:
-            self._server.close()
+        for server in [self._server, *self._more_servers]:
+            if server is not None:
+                server.close()
         for connection in list(self.connections):
             connection.shutdown()
         if self.tasks:

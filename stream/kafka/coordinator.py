@@ -57,7 +57,7 @@ from aiokafka.protocol.group import HeartbeatRequest
 from stream.internals import PINNED
 
 __all__ = ["AIOKAFKA_VERSION", "ANSWER_S", "LostMembership", "check_version",
-           "confirm_membership", "generation_of"]
+           "confirm_membership", "generation_of", "member_of"]
 
 AIOKAFKA_VERSION = PINNED["aiokafka"]  # stream.internals lists what this module uses of it
 
@@ -80,6 +80,13 @@ def generation_of(consumer: Any) -> int:
     """The group generation ``consumer`` (an ``AIOKafkaConsumer``) is a member of now
     (-1 once aiokafka reset it, e.g. after its session expired)."""
     return int(consumer._coordinator.generation)
+
+
+def member_of(consumer: Any) -> tuple[str, int]:
+    """The member id and generation ``consumer`` (an ``AIOKafkaConsumer``) has in its group
+    now (a member id is the coordinator's, new at each join to a coordinator that lost it)."""
+    coordinator = consumer._coordinator
+    return str(coordinator.member_id), int(coordinator.generation)
 
 
 def check_version() -> None:

@@ -27,32 +27,37 @@ import asyncio
 import contextlib
 import errno
 import logging
+import mmap
 import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from stream.kafka import fetch_gate
 
-__all__ = ["CLUSTER_FILE", "LOG_DIR_NAME", "EmbeddedLog", "Journal", "LogRecord", "RestoreFailed",
-           "is_log_entry"]
+__all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "EmbeddedLog", "Frame", "Journal",
+           "LogRecord", "RestoreFailed", "is_log_entry", "mapped", "scan"]
 
 LOG_DIR_NAME = "log"
 CLUSTER_FILE = "cluster.json"
 _FRAME = struct.Struct(">II")
+# a frame's fixed start read at once by ``scan``: length, CRC, offset, timestamp, type, key length
+_HEAD = struct.Struct(">IIqqbi")
 _POSITION = struct.Struct(">qqb")
 _LENGTH = struct.Struct(">i")
 _COUNT = struct.Struct(">H")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_PARTITION_FILE = re.compile(r"^\d+\.log$")
+#: A partition file's new content while compaction writes it (renamed over it once whole).
+COMPACTING_SUFFIX = ".compacting"
+_PARTITION_FILE = re.compile(r"^\d+\.log(?:\.compacting)?$")
 _RESTORE_CHUNK = 5000
 _REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
 # A write is acknowledged once the journal has fetched it, and an idle fetch on Tansu
@@ -134,22 +139,64 @@ def _decode_body(body: bytes) -> LogRecord:
 def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
     """The whole frames at the start of ``data`` and the length they take; a torn or
     corrupt frame (and all after it) is left out."""
-    records, ends = _frames(data)
-    return records, ends[-1] if ends else 0
+    frames, length = scan(data)
+    return [_decode_body(bytes(data[f.start + _FRAME.size:f.end])) for f in frames], length
 
 
-def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
-    """``read_frames`` with the position where each frame ends."""
-    records, ends, at = [], [], 0
-    while at + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, at)
-        body = data[at + _FRAME.size:at + _FRAME.size + length]
-        if len(body) < length or zlib.crc32(body) != crc:
-            break
-        records.append(_decode_body(body))
-        at += _FRAME.size + length
-        ends.append(at)
-    return records, ends
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """Where one whole record lies in a partition file, and what compaction reads of it."""
+
+    start: int
+    end: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    tombstone: bool
+    value: bytes | None  # only when asked for (``scan(values=...)``)
+
+
+def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambda key: False,
+         ) -> tuple[list[Frame], int]:
+    """The whole frames at the start of ``data`` and the length they take; a torn or
+    corrupt frame (and all after it) is left out. Only the values of keys for which
+    ``values`` is true are copied (compaction mostly needs keys, not values)."""
+    frames: list[Frame] = []
+    append = frames.append
+    at, size = 0, len(data)
+    view = memoryview(data)
+    head, length_at, crc32 = _HEAD.unpack_from, _LENGTH.unpack_from, zlib.crc32
+    try:
+        while at + _HEAD.size <= size:
+            length, crc, offset, timestamp, _, key_length = head(data, at)
+            body = at + _FRAME.size
+            end = body + length
+            if end > size or crc32(view[body:end]) != crc:
+                break
+            cursor = at + _HEAD.size
+            key = None if key_length < 0 else bytes(view[cursor:cursor + key_length])
+            if key_length > 0:
+                cursor += key_length
+            (value_length,) = length_at(data, cursor)
+            cursor += _LENGTH.size
+            value = (bytes(view[cursor:cursor + value_length])
+                     if value_length >= 0 and values(key) else None)
+            append(Frame(at, end, offset, timestamp, key, value_length < 0, value))
+            at = end
+    finally:
+        view.release()
+    return frames, at
+
+
+@contextlib.contextmanager
+def mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
+    """A partition file's bytes, mapped (not read into the process's memory): a log of
+    gigabytes costs page cache, not resident memory."""
+    if not path.exists() or path.stat().st_size == 0:
+        yield b""
+        return
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        yield data
 
 
 #: The applied offset a changelog record holds, ``None`` for any other record (the state's
@@ -158,7 +205,7 @@ def _frames(data: bytes) -> tuple[list[LogRecord], list[int]]:
 AppliedAt = Callable[[bytes | None, bytes | None], int | None]
 
 
-def applied_prefix(records: list[LogRecord], end: int, applied_at: AppliedAt) -> int:
+def applied_prefix(records: Sequence[LogRecord | Frame], end: int, applied_at: AppliedAt) -> int:
     """How many of a changelog partition's records to keep when its event partition
     holds offsets below ``end`` only: up to its last applied-offset record below ``end``
     (before any at or past it). What follows may hold entries of events the kept log
@@ -180,6 +227,14 @@ class EmbeddedLog:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.meta = root / CLUSTER_FILE
+        # (topic, partition) -> (length, next offset) of a file this process read whole and
+        # did not write since: opening it for appending need not read it again
+        self._known: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def remember(self, topic: str, partition: int, length: int, next_offset: int) -> None:
+        """Note what a whole read of a partition's file found (``open_for_append`` trusts
+        it while the file has that length)."""
+        self._known[(topic, partition)] = (length, next_offset)
 
     def exists(self) -> bool:
         """Whether the dir holds a kept log (its cluster file)."""
@@ -235,83 +290,64 @@ class EmbeddedLog:
         """The partition's file, cut after its last whole frame, and the next offset."""
         path = self.partition_path(topic, partition)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = path.read_bytes() if path.exists() else b""
-        records, length = read_frames(data)
-        if length < len(data):
+        known = self._known.pop((topic, partition), None)
+        size = path.stat().st_size if path.exists() else 0
+        if known is not None and known[0] == size:
+            length, next_offset = known
+        else:
+            with mapped(path) as data:
+                frames, length = scan(data)
+                size = len(data)
+            next_offset = frames[-1].offset + 1 if frames else 0
+        if length < size:
             log.warning("%s: cutting off %d bytes of a record written when the process was "
-                        "killed (never acknowledged)", path, len(data) - length)
+                        "killed (never acknowledged)", path, size - length)
         handle = open(path, "r+b" if path.exists() else "w+b", buffering=0)  # noqa: SIM115
         handle.truncate(length)
         handle.seek(length)
-        return handle, (records[-1].offset + 1 if records else 0)
+        return handle, next_offset
 
-    def cut_unfinished_changelogs(self, applied_at: AppliedAt) -> int:
-        """After a kill: cut each changelog partition after its last applied-offset record
-        whose event the kept log holds (``applied_prefix``); return the records cut. The
-        table files are dropped after a kill anyway, so they restore from what is kept."""
-        cut = 0
-        for name, spec in self.topics().items():
-            source = spec.get("applied_offsets_of")
-            if source is None:
-                continue
-            for partition in range(int(spec["partitions"])):
-                events = self.records(source, partition)
-                end = events[-1].offset + 1 if events else 0
-                path = self.partition_path(name, partition)
-                if not path.exists():
-                    continue
-                records, ends = _frames(path.read_bytes())
-                keep = applied_prefix(records, end, applied_at)
-                if keep < len(records):
-                    with open(path, "r+b") as handle:
-                        handle.truncate(ends[keep - 1] if keep else 0)
-                    cut += len(records) - keep
-        if cut:
-            log.warning("cut %d changelog records past what the kept event log holds (written "
-                        "just before a kill); the events it holds are applied again", cut)
-        return cut
-
-    async def restore(self, bootstrap_servers: str) -> dict[str, int]:
-        """Give the (new, empty) broker this log's topics and records with their offsets;
-        return the records restored per topic. Called before anything else uses the broker."""
+    async def restore(self, bootstrap_servers: str, plans: dict[tuple[str, int], list[Frame]],
+                      progress: Callable[[int, int], None] = lambda done, total: None,
+                      ) -> dict[str, int]:
+        """Give the (new, empty) broker this log's topics and the planned records
+        (``compact``) at their own offsets; return the records given per topic. Called
+        before anything else uses the broker; ``progress(done, total)`` after each batch."""
+        from stream.kafka.batches import RawPartitionWriter
         from stream.kafka.topics import ensure_topic
 
-        counts: dict[str, int] = {}
         topics = self.topics()
         for name, spec in topics.items():
             await ensure_topic(bootstrap_servers, name, int(spec["partitions"]), dict(spec["config"]))
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all",
-                                    linger_ms=5, max_batch_size=1024 * 1024,
-                                    max_request_size=16 * 1024 * 1024)
-        await producer.start()
-        try:
-            for name, spec in topics.items():
-                counts[name] = 0
-                for partition in range(int(spec["partitions"])):
-                    counts[name] += await self._restore_partition(producer, name, partition)
-        finally:
-            await producer.stop()
+        total = sum(len(frames) for frames in plans.values())
+        counts: dict[str, int] = {name: 0 for name in topics}
+        done = 0
+        progress(done, total)
+        async with RawPartitionWriter(bootstrap_servers) as writer:
+            for (name, partition), frames in plans.items():
+                if not frames:
+                    continue
+                with mapped(self.partition_path(name, partition)) as data:
+                    for start in range(0, len(frames), _RESTORE_CHUNK):
+                        chunk = [_decode_body(bytes(data[f.start + _FRAME.size:f.end]))
+                                 for f in frames[start:start + _RESTORE_CHUNK]]
+                        try:
+                            await writer.write(name, partition, chunk)
+                        except ValueError as exc:
+                            raise RestoreFailed(
+                                f"{self.partition_path(name, partition)}: {exc}: the log cannot be "
+                                "brought back as it was; nothing was deleted (keep this data dir, "
+                                "serve another one)") from None
+                        done += len(chunk)
+                        counts[name] += len(chunk)
+                        progress(done, total)
         return counts
 
-    async def _restore_partition(self, producer: AIOKafkaProducer, topic: str,
-                                 partition: int) -> int:
-        # the file is cut after its last whole frame first, as the journal will append there
-        handle, _ = self.open_for_append(topic, partition)
-        handle.close()
-        records = self.records(topic, partition)
-        for start in range(0, len(records), _RESTORE_CHUNK):
-            chunk = records[start:start + _RESTORE_CHUNK]
-            sent = [await producer.send(topic, r.value, key=r.key, partition=partition,
-                                        timestamp_ms=r.timestamp_ms,
-                                        headers=list(r.headers) or None) for r in chunk]
-            for record, metadata in zip(chunk, await asyncio.gather(*sent), strict=True):
-                if metadata.offset != record.offset:
-                    raise RestoreFailed(
-                        f"{self.partition_path(topic, partition)}: the broker gave the record "
-                        f"kept at offset {record.offset} offset {metadata.offset}: the log cannot "
-                        "be brought back as it was; nothing was deleted (keep this data dir, "
-                        "serve another one)")
-        return len(records)
+
+def _is_applied_key(applied_at: AppliedAt, key: bytes | None) -> bool:
+    """Whether ``key`` is the applied-offset record's (``applied_at`` reads any 8 bytes
+    under that key, and nothing under another): the one value compaction reads."""
+    return applied_at(key, bytes(8)) is not None
 
 
 def _write_all(handle: BinaryIO, data: bytes) -> None:
@@ -344,6 +380,7 @@ class Journal:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._refused: str | None = None  # why the files refuse writes now (a full disk)
+        self.appended_bytes = 0  # written to the files since the start (what a rebase waits for)
         self._thread = threading.Thread(target=self._main, name="embedded-log-journal", daemon=True)
 
     def start(self, timeout: float = 30.0) -> Journal:
@@ -530,6 +567,7 @@ class Journal:
             return False
         with self._lock:
             self._stored[(tp.topic, tp.partition)] = expected
+        self.appended_bytes += handle.tell() - start
         if self._refused is not None:
             log.warning("the embedded broker's log is kept again")
             self._refused = None

@@ -64,6 +64,11 @@ class EventPublisher:
         self.security = security or KafkaSecurity()
         self.stored = stored  # (topic, [(partition, offset)]): returns once those are kept
         self.in_flight = 0
+        self.waiting = 0  # writes held by ``held``
+        self._open = asyncio.Event()  # cleared while writes are held (``held``)
+        self._open.set()
+        self._idle = asyncio.Event()  # set while no write waits for the broker
+        self._idle.set()
         self._producer: AIOKafkaProducer
         self._failures = 0
         self._warned_at = -_WARN_EVERY_S
@@ -83,6 +88,17 @@ class EventPublisher:
             **client_options(self.security),
         )
         await self._producer.start()
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        """Hold new writes (each waits within its own time budget, then is not
+        acknowledged) and return once none is in flight; let them go at the end."""
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            yield
+        finally:
+            self._open.set()
 
     async def stop(self) -> None:
         """Flush and disconnect."""
@@ -109,12 +125,23 @@ class EventPublisher:
     @asynccontextmanager
     async def _write(self) -> AsyncIterator[None]:
         """One write's slot and time budget; every failure inside is ``LogUnavailable``."""
-        if self.in_flight >= self.max_in_flight:
-            raise Overloaded(f"{self.in_flight} writes already wait for the event log "
+        if self.in_flight + self.waiting >= self.max_in_flight:
+            raise Overloaded(f"{self.in_flight + self.waiting} writes already wait for the event log "
                              f"(max_writes_in_flight); the write was not sent, retry later")
         self.in_flight += 1
+        self._idle.clear()
         try:
             async with asyncio.timeout(self.timeout_s):
+                if not self._open.is_set():  # held (``held``): waiting, not in flight
+                    self.in_flight -= 1
+                    self.waiting += 1
+                    self._idle_if_none()
+                    try:
+                        await self._open.wait()
+                    finally:
+                        self.waiting -= 1
+                        self.in_flight += 1
+                        self._idle.clear()
                 yield
         except (KafkaError, TimeoutError, OSError) as exc:
             self._warn(exc)
@@ -124,6 +151,11 @@ class EventPublisher:
             ) from None
         finally:
             self.in_flight -= 1
+            self._idle_if_none()
+
+    def _idle_if_none(self) -> None:
+        if self.in_flight == 0:
+            self._idle.set()
 
     async def _send(self, records: list[tuple[bytes | None, int | None, bytes]]) -> int:
         if self.stored is not None:

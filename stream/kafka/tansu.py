@@ -30,6 +30,7 @@ import asyncio
 import collections
 import logging
 
+import aiokafka.client
 from aiokafka import AIOKafkaClient
 from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.consumer.group_coordinator import GroupCoordinator
@@ -40,7 +41,8 @@ from aiokafka.structs import TopicPartition
 from stream.config import KafkaSecurity
 from stream.kafka.fetcher import cap_fetcher_setting
 
-__all__ = ["FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id"]
+__all__ = ["FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id",
+           "refuse_topic_creation_by_metadata"]
 
 FETCH_WAIT_MS = 10
 
@@ -115,6 +117,23 @@ async def _expire_instead_of_leaving(self: GroupCoordinator) -> None:
         log.debug("not leaving group %s (Tansu): member %s expires after its session timeout",
                   self.group_id, self.member_id)
     self.reset_generation()
+
+
+class _MetadataRequestNoCreation(MetadataRequest):
+    """aiokafka's metadata request, asking the broker not to create a missing topic."""
+
+    def __init__(self, topics: list[str] | None = None,
+                 allow_auto_topic_creation: bool | None = False) -> None:
+        super().__init__(topics, allow_auto_topic_creation)
+
+
+def refuse_topic_creation_by_metadata() -> None:
+    """Make every aiokafka client of this process ask metadata without creating missing
+    topics (Tansu honours the flag; aiokafka sets it on every request). `serve`'s own
+    broker is started again under running clients (``stream.kafka.rebase``): a client that
+    reached it before its topics were made would have them created with Tansu's default
+    4 partitions. mmcache creates every topic it uses itself (``stream.kafka.topics``)."""
+    aiokafka.client.MetadataRequest = _MetadataRequestNoCreation  # type: ignore[misc]
 
 
 def apply_remedies() -> None:

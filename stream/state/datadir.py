@@ -40,7 +40,7 @@ from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.kafka.embedded import EMBEDDED_CLUSTER_PREFIX
 from stream.kafka.embedded_log import LOG_DIR_NAME, EmbeddedLog, is_log_entry
 from stream.kafka.topics import TABLE_NAME
-from stream.state.store import load_partition
+from stream.state.store import FAUST_OFFSET_KEY, load_partition
 
 __all__ = ["LOCK_NAME", "SNAPSHOT_MAGIC", "STATE_FORMAT", "TABLE_NAME", "DataDir", "DataDirInUse",
            "StateMismatch", "write_whole"]
@@ -394,6 +394,18 @@ class DataDir:
         options.create_if_missing(True)
         access = AccessType.read_only() if read_only else AccessType.read_write()
         return Rdict(str(self.partition_path(partition)), options, access_type=access)
+
+    def table_offset(self, partition: int) -> int | None:
+        """The changelog offset a partition's table file holds (Faust's offset record),
+        None without a file or a record; read without opening the file for writing."""
+        if not self.partition_path(partition).exists():
+            return None
+        db = self.open_partition(partition, read_only=True)
+        try:
+            raw = db.get(FAUST_OFFSET_KEY)
+        finally:
+            db.close()
+        return None if raw is None else int(raw)
 
     def load_state(self) -> CacheState:
         """Read a stopped worker's whole state (for digests and checks)."""

@@ -1,5 +1,13 @@
 """Offline rebuild: replay the event topic from its first offset into a new data dir.
 
+When the topic no longer starts at offset 0 in a partition (retention trimmed its oldest
+events; the offsets of the rest are kept), that partition starts from a checkpoint
+instead: the state the app's changelog holds at its last applied offset A
+(``stream.state.checkpoint``), then the events after A are folded as usual. That is exact
+when A reaches the kept events (A >= the first kept offset - 1), and refused otherwise,
+as is an ``until`` before A. ``from_checkpoint`` starts every partition that has a
+checkpoint from it, trimmed or not (only the events after it are replayed).
+
 No consumer group and no changelog writes while replaying: a plain consumer reads
 every partition up to the end offsets seen at the start (or ``until``), the pure fold
 builds the state in memory, and the final entries are written to RocksDB as one sorted
@@ -43,6 +51,7 @@ from stream.kafka.topics import (
     cluster_durability,
     ensure_topic,
 )
+from stream.state.checkpoint import CheckpointReader
 from stream.state.datadir import DataDir, StateMismatch
 from stream.state.store import (
     APPLIED_KEY,
@@ -51,9 +60,11 @@ from stream.state.store import (
     encode_applied,
     endpoint_records,
     engine_records,
+    load_partition,
 )
 
-__all__ = ["Until", "balanced_groups", "rebuild", "seed_deployment", "seed_records"]
+__all__ = ["Extent", "NotRebuildable", "Until", "balanced_groups", "rebuild",
+           "refuse_over_capacity", "resume_points", "seed_deployment", "seed_records"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +97,85 @@ class Until:
         return self.timestamp_ms is not None and timestamp_ms > self.timestamp_ms
 
 
+def _iso(timestamp_ms: int) -> str:
+    return datetime.fromtimestamp(timestamp_ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one partition's kept records lie: the offset of the first (``end`` when none
+    is kept) and the end offset. Trimmed: records before the first were deleted (Kafka's
+    retention keeps the offsets of the rest, so the first is then above 0)."""
+
+    first: int
+    end: int
+
+    @property
+    def trimmed(self) -> bool:
+        """Whether the partition's oldest events are gone."""
+        return self.first > 0
+
+
+class NotRebuildable(SystemExit):
+    """What is kept cannot give the state asked for; nothing was written."""
+
+
+def resume_points(extents: dict[int, Extent], applied: dict[int, int], until: Until,
+                  from_checkpoint: bool, changelog: str, topic: str,
+                  kept_times: dict[int, int] | None = None) -> dict[int, int]:
+    """The offset each partition's fold starts at: 0 from an empty state, or ``A + 1`` from
+    the checkpoint at applied offset ``A`` (``applied``).
+
+    A trimmed partition starts from its checkpoint, which must reach its first kept event
+    (``A >= first - 1``) and lie at or before ``until``: an offset ``>= A``, a time at or
+    after every kept record up to ``A`` (``kept_times``: the latest timestamp of the kept
+    records at or below ``A``, absent when none is kept). Otherwise it is refused
+    (``NotRebuildable``), naming the oldest point that can be rebuilt. A whole partition
+    starts at 0, or from its checkpoint with ``from_checkpoint`` when the checkpoint
+    lies at or before ``until``.
+    """
+    kept_times = kept_times or {}
+
+    def before_until(partition: int) -> bool:
+        if until.offset is not None and until.offset < applied[partition]:
+            return False
+        return until.timestamp_ms is None or kept_times.get(partition, -1) <= until.timestamp_ms
+
+    starts: dict[int, int] = {}
+    late: list[int] = []
+    for partition, extent in sorted(extents.items()):
+        if not extent.trimmed:
+            usable = from_checkpoint and partition in applied and before_until(partition)
+            starts[partition] = applied[partition] + 1 if usable else 0
+            continue
+        where = (f"partition {partition} of {topic} starts at offset {extent.first} (older "
+                 "events were trimmed)")
+        if partition not in applied:
+            raise NotRebuildable(f"{where} and {changelog} holds no checkpoint of it: give the "
+                                 "changelog of the service that consumed it with --checkpoint-topic")
+        if applied[partition] < extent.first - 1:
+            raise NotRebuildable(
+                f"{where} but the checkpoint in {changelog} is the state after offset "
+                f"{applied[partition]}: events {applied[partition] + 1}..{extent.first - 1} "
+                "are gone, so the state cannot be rebuilt exactly")
+        if not before_until(partition):
+            late.append(partition)
+        starts[partition] = applied[partition] + 1
+    if late:
+        if until.offset is not None and until.offset < max(applied[p] for p in late):
+            oldest = max(applied[p] for p in extents if extents[p].trimmed)
+            asked, point = str(until.offset), str(oldest)
+        else:
+            assert until.timestamp_ms is not None
+            oldest = max(kept_times.get(p, -1) for p in extents if extents[p].trimmed)
+            asked, point = _iso(until.timestamp_ms), _iso(oldest)
+        raise NotRebuildable(
+            f"--until {asked} lies before the checkpoint of partition {late[0]} in {changelog} "
+            f"(the events before it were trimmed from {topic}): the oldest point rebuildable "
+            f"from what is kept is --until {point}")
+    return starts
+
+
 class Progress:
     """A progress bar on a terminal, plain lines every few seconds otherwise."""
 
@@ -116,12 +206,14 @@ class Progress:
 async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], state: CacheState,
                  until: Until = Until(), on_progress: Callable[[int], None] = lambda n: None,
                  *, topic_partitions: int | None = None, security: KafkaSecurity | None = None,
-                 ) -> dict[str, int]:
+                 start_at: dict[int, int] | None = None) -> dict[str, int]:
     """Fold the given partitions of the topic (of ``topic_partitions`` partitions in all)
-    into ``state``, up to the end offsets seen at the start (or ``until``), by the live
-    worker's rule (``stream.core.admission``); return counts of applied events and of
-    skipped records, in all (``skipped``) and by reason.
+    into ``state``, from ``start_at`` (per partition; its first record where absent or 0)
+    up to the end offsets seen at the start (or ``until``), by the live worker's rule
+    (``stream.core.admission``); return counts of applied events and of skipped records,
+    in all (``skipped``) and by reason.
     """
+    start_at = start_at or {}
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
         enable_auto_commit=False,
@@ -136,10 +228,15 @@ async def replay(bootstrap_servers: str, topic: str, partitions: Sequence[int], 
             topic_partitions = len(consumer.partitions_for_topic(topic) or ()) or len(partitions)
         tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        whole = [tp for tp in tps if not start_at.get(tp.partition)]
+        if whole:  # (none given would seek every assigned partition)
+            await consumer.seek_to_beginning(*whole)
+        for tp in tps:
+            if start_at.get(tp.partition):
+                consumer.seek(tp, start_at[tp.partition])
         ends = await consumer.end_offsets(tps)
         starts = await consumer.beginning_offsets(tps)
-        remaining = {tp for tp in tps if ends[tp] > starts[tp]}
+        remaining = {tp for tp in tps if ends[tp] > max(starts[tp], start_at.get(tp.partition, 0))}
         bounded = until != Until()
         while remaining:
             batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
@@ -222,11 +319,14 @@ class _Part:
 
 
 _progress_counter: Any = None
+# The checkpoints read by the parent, per partition: a forked process inherits them.
+_checkpoints: dict[int, CheckpointReader] = {}
 
 
-def _init_replay_process(counter: Any, level: int) -> None:
-    global _progress_counter
-    _progress_counter = counter
+def _init_replay_process(counter: Any, level: int,
+                         checkpoints: dict[int, CheckpointReader]) -> None:
+    global _progress_counter, _checkpoints
+    _progress_counter, _checkpoints = counter, checkpoints
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -237,15 +337,20 @@ def _add_progress(done: int) -> None:
 
 def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Capacity,
                  until: Until, root: Path, tansu: bool, topic_partitions: int,
-                 security: KafkaSecurity, engine_entries: int) -> _Part:
-    """Replay some partitions and write their files (run in a process of its own)."""
+                 security: KafkaSecurity, engine_entries: int, start_at: dict[int, int]) -> _Part:
+    """Replay some partitions and write their files (run in a process of its own): each
+    from its checkpoint where ``start_at`` says so, else from its first record."""
     if tansu:
         apply_remedies()
     gc.disable()  # a batch job that makes no reference cycles: collections only cost time
     state = CacheState(capacity, engine_entries)
     started = time.monotonic()
+    for partition in partitions:
+        if start_at.get(partition):
+            load_partition(state, partition, _checkpoints[partition].records())
     counts = event_loop.run(replay(bootstrap, topic, partitions, state, until, _add_progress,
-                                topic_partitions=topic_partitions, security=security))
+                                topic_partitions=topic_partitions, security=security,
+                                start_at=start_at))
     replayed = time.monotonic()
     write_state(DataDir(root), state, partitions)
     log.info("partitions %s: replayed %d records in %.2f s, wrote them in %.2f s", partitions,
@@ -254,18 +359,147 @@ def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Ca
     return _Part(counts["events"], skipped, state.endpoint_digests())
 
 
-async def _topic_extent(bootstrap: str, topic: str, security: KafkaSecurity) -> dict[int, int]:
-    """How many records each partition of the topic holds."""
+async def _topic_extents(bootstrap: str, topic: str, security: KafkaSecurity) -> dict[int, Extent]:
+    """Where each partition's kept records lie. The first is read, not asked: a broker
+    may answer 0 for a partition's beginning when its first record is further on (Tansu,
+    whose log can start above 0 after a kept log was rebased)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
                                 **client_options(security))
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        ends = await consumer.end_offsets(tps) if tps else {}
-        starts = await consumer.beginning_offsets(tps) if tps else {}
-        return {tp.partition: ends[tp] - starts[tp] for tp in tps}
+        if not tps:
+            return {}
+        ends = await consumer.end_offsets(tps)
+        starts = await consumer.beginning_offsets(tps)
+        first = {tp: ends[tp] for tp in tps}
+        waiting = {tp for tp in tps if ends[tp] > starts[tp]}
+        if waiting:
+            consumer.assign(list(waiting))
+            await consumer.seek_to_beginning(*waiting)
+        while waiting:
+            for tp, records in (await consumer.getmany(*waiting, timeout_ms=200, max_records=1)).items():
+                if records:
+                    first[tp] = records[0].offset
+                    waiting.discard(tp)
+                    consumer.pause(tp)
+            for tp in list(waiting):  # read to the end without a record (control batches only)
+                if await consumer.position(tp) >= ends[tp]:
+                    waiting.discard(tp)
+        return {tp.partition: Extent(first[tp], ends[tp]) for tp in tps}
     finally:
         await consumer.stop()
+
+
+async def _read_checkpoints(bootstrap: str, changelog: str, ends: dict[int, int],
+                            security: KafkaSecurity) -> dict[int, CheckpointReader] | None:
+    """The checkpoint in each partition of ``changelog`` for an event partition ending at
+    ``ends[p]``; ``None`` when the changelog does not exist."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                max_partition_fetch_bytes=8 * 1024 * 1024,
+                                fetch_max_bytes=64 * 1024 * 1024, **client_options(security))
+    await consumer.start()
+    try:
+        found = consumer.partitions_for_topic(changelog)
+        if not found:
+            return None
+        readers = {p: CheckpointReader(end) for p, end in ends.items() if p in found}
+        tps = [TopicPartition(changelog, p) for p in sorted(readers)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        last = await consumer.end_offsets(tps)
+        remaining = {tp for tp in tps if last[tp] > 0}
+        while remaining:
+            batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
+            for tp, records in batches.items():
+                reader = readers[tp.partition]
+                reader.feed(r for r in records if r.offset < last[tp])
+                if reader.finished or (records and records[-1].offset >= last[tp] - 1):
+                    remaining.discard(tp)
+                    consumer.pause(tp)
+        return readers
+    finally:
+        await consumer.stop()
+
+
+async def _kept_times(bootstrap: str, topic: str, spans: dict[int, tuple[int, int]],
+                      security: KafkaSecurity) -> dict[int, int]:
+    """The latest record timestamp among each partition's records from ``spans[p][0]`` up
+    to ``spans[p][1]`` (inclusive), for partitions with records there."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                max_partition_fetch_bytes=8 * 1024 * 1024,
+                                fetch_max_bytes=64 * 1024 * 1024, **client_options(security))
+    await consumer.start()
+    latest: dict[int, int] = {}
+    try:
+        tps = {TopicPartition(topic, p): span for p, span in spans.items() if span[1] >= span[0]}
+        if not tps:
+            return latest
+        consumer.assign(list(tps))
+        for tp, (first, _) in tps.items():
+            consumer.seek(tp, first)
+        remaining = set(tps)
+        while remaining:
+            batches = await consumer.getmany(*remaining, timeout_ms=200, max_records=FETCH_RECORDS)
+            for tp, records in batches.items():
+                through = tps[tp][1]
+                for record in records:
+                    if record.offset > through:
+                        break
+                    latest[tp.partition] = max(latest.get(tp.partition, -1), record.timestamp)
+                if records and records[-1].offset >= through:
+                    remaining.discard(tp)
+                    consumer.pause(tp)
+        return latest
+    finally:
+        await consumer.stop()
+
+
+def refuse_over_capacity(reader: CheckpointReader, capacity: Capacity, changelog: str) -> None:
+    """A checkpoint is the state at the live service's capacity: one holding an LRU over
+    ``capacity`` was made with a larger one, and folding on at this one would give neither
+    state (a capacity is changed by replaying a whole log), so it is refused."""
+    for name, group in reader.reread.endpoints.items():
+        held = len(group) if capacity.mode == "items" else sum(
+            int.from_bytes(value[12:16], "big") for value in group.values())
+        if held > capacity.per_endpoint:
+            raise NotRebuildable(
+                f"the checkpoint in {changelog} holds {held} {capacity.mode} for endpoint "
+                f"{name!r}, over the capacity given ({capacity.per_endpoint}): rebuild with the "
+                "capacity of the service that wrote it (a checkpoint cannot change it)")
+
+
+def _plan(settings: Settings, bootstrap: str, extents: dict[int, Extent],
+          until: Until) -> tuple[dict[int, int], dict[int, CheckpointReader]]:
+    """Where each partition starts (``resume_points``) and the checkpoints it needs;
+    refuses (``NotRebuildable``) before anything is written."""
+    topic, security = settings.events_topic, settings.kafka
+    changelog = settings.checkpoint_topic or changelog_topic(settings.app_id)
+    if not settings.from_checkpoint and not any(e.trimmed for e in extents.values()):
+        return dict.fromkeys(extents, 0), {}
+    read = asyncio.run(_read_checkpoints(bootstrap, changelog,
+                                         {p: e.end for p, e in extents.items()}, security))
+    if read is None:
+        what = "--from-checkpoint" if settings.from_checkpoint else (
+            f"{topic} no longer holds its first events")
+        raise NotRebuildable(f"{what}: the checkpoint's changelog {changelog} does not exist on "
+                             f"{bootstrap}: give the changelog of the service that consumed "
+                             f"{topic} with --checkpoint-topic")
+    applied = {p: r.applied for p, r in read.items() if r.applied is not None}
+    kept: dict[int, int] = {}
+    if until.timestamp_ms is not None:
+        kept = asyncio.run(_kept_times(bootstrap, topic, {
+            p: (extents[p].first, a) for p, a in applied.items() if p in extents}, security))
+    starts = resume_points(extents, applied, until, settings.from_checkpoint, changelog, topic,
+                           kept)
+    used = {p: read[p] for p, start in starts.items() if start}
+    for reader in used.values():
+        refuse_over_capacity(reader, settings.capacity, changelog)
+    if used:
+        log.info("partitions %s start from the checkpoint in %s (the state after offsets %s); "
+                 "the events after it are replayed", sorted(used), changelog,
+                 [starts[p] - 1 for p in sorted(used)])
+    return starts, used
 
 
 def balanced_groups(sizes: dict[int, int], count: int) -> list[list[int]]:
@@ -295,10 +529,12 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
     tansu = is_tansu_id(cluster)
     if tansu:
         apply_remedies()
-    sizes = asyncio.run(_topic_extent(bootstrap, settings.events_topic, settings.kafka))
-    partitions, total = sorted(sizes), sum(sizes.values())
-    if not partitions:
+    extents = asyncio.run(_topic_extents(bootstrap, settings.events_topic, settings.kafka))
+    if not extents:
         raise StateMismatch(f"topic {settings.events_topic} not found on {bootstrap}")
+    starts, checkpoints = _plan(settings, bootstrap, extents, until)
+    sizes = {p: max(0, e.end - max(e.first, starts[p])) for p, e in extents.items()}
+    partitions, total = sorted(sizes), sum(sizes.values())
     datadir.root.mkdir(parents=True, exist_ok=True)
     datadir.lock()  # no serve may start on a dir being rebuilt
     try:
@@ -312,10 +548,11 @@ def rebuild(settings: Settings, until: Until = Until(), workers: int | None = No
         progress = Progress(total)
         started = time.monotonic()
         with ProcessPoolExecutor(count, mp_context=context, initializer=_init_replay_process,
-                                 initargs=(counter, logging.getLogger().level)) as pool:
+                                 initargs=(counter, logging.getLogger().level, checkpoints)) as pool:
             futures = [pool.submit(_replay_part, bootstrap, settings.events_topic, group,
                                    settings.capacity, until, datadir.root, tansu, len(partitions),
-                                   settings.kafka, settings.engine_view_max_entries)
+                                   settings.kafka, settings.engine_view_max_entries,
+                                   {p: starts[p] for p in group})
                        for group in groups]
             while not all(f.done() for f in futures):
                 progress.update(counter.value)

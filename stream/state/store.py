@@ -32,6 +32,7 @@ T = TypeVar("T")
 __all__ = [
     "APPLIED_KEY",
     "ChangelogGate",
+    "admit_changelog",
     "FAUST_OFFSET_KEY",
     "applied_at",
     "decode_applied",
@@ -227,6 +228,12 @@ class ChangelogGate:
             else:
                 self.dropped += 1
         return passed
+
+
+def admit_changelog(frames: list[T]) -> list[T]:
+    """Of a changelog partition's records read from its start (each with ``key`` and
+    ``value``), those every reader applies (``ChangelogGate``): what compaction keeps from."""
+    return ChangelogGate().admit((frame.key, frame.value, frame) for frame in frames)  # type: ignore[attr-defined]
 
 
 def write_effects(

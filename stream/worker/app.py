@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import faust
@@ -32,12 +33,13 @@ from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.http.api import HttpApi
 from stream.http.auth import open_token_file
-from stream.http.server import HttpServer
+from stream.http.server import HttpServer, tls_context
 from stream.kafka import fetch_gate
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
 from stream.kafka.publisher import EventPublisher
+from stream.kafka.rebase import EmbeddedCluster, RebasedWorker
 from stream.kafka.topics import ensure_dead_letter_topic
 from stream.metrics import Metrics
 from stream.state.datadir import TABLE_NAME, DataDir
@@ -47,6 +49,7 @@ from stream.worker.faust_batches import (
     committed_offset,
     confirm_owner,
     owner_generation,
+    owner_member,
     seek,
 )
 from stream.worker.faust_batches import install as install_batch_path
@@ -93,39 +96,97 @@ class StartTask(mode.Service):
         self.add_future(self._task())
 
 
+class _RebasedWorker:
+    """The worker as a rebase of the embedded broker sees it (``stream.kafka.rebase``)."""
+
+    def __init__(self, app: faust.App, publisher: EventPublisher,
+                 lag: Callable[[], dict[int, int]], partitions: int,
+                 persisted_offset: Callable[[int], int | None]) -> None:
+        self.app = app
+        self.publisher = publisher
+        self.lag = lag
+        self.partitions = partitions
+        self.persisted_offset = persisted_offset
+
+    def hold_writes(self) -> AbstractAsyncContextManager[None]:
+        return self.publisher.held()
+
+    def _caught_up(self) -> bool:
+        lag = self.lag()
+        return len(lag) == self.partitions and not any(lag.values())
+
+    async def settle(self) -> None:
+        while not self._caught_up():
+            await asyncio.sleep(0.05)
+        await self.app.producer.flush()
+
+    def tombstones_through(self, partition: int) -> int:
+        try:
+            held = self.persisted_offset(partition)
+        except Exception:  # noqa: BLE001 - kept, for the next start's compaction
+            return -1
+        return -1 if held is None else int(held)
+
+    def member(self) -> object:
+        return owner_member(self.app)
+
+    async def rejoined(self, before: object) -> None:
+        while True:
+            member, generation = owner_member(self.app)
+            if (member, generation) != before and member and generation != -1 and self._caught_up():
+                return
+            await asyncio.sleep(0.05)
+
+
+class RebaseService(mode.Service):
+    """Starts the embedded broker again on its compacted log whenever the journal has
+    written ``every_bytes`` since the broker's last start (``stream.kafka.rebase``)."""
+
+    def __init__(self, cluster: EmbeddedCluster, every_bytes: int, worker: RebasedWorker,
+                 check_s: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cluster = cluster
+        self.every_bytes = every_bytes
+        self.worker = worker
+        self.check_s = check_s
+
+    async def on_start(self) -> None:
+        """Watch the journal's bytes; it is cancelled when the worker stops."""
+        if self.every_bytes != -1:
+            self.add_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_s)
+            if self.cluster.appended_bytes() < self.every_bytes:
+                continue
+            try:
+                await self.cluster.rebase(self.worker)
+            except Exception:  # a failed rebase leaves writes refused (503); /readyz says why
+                log.exception("the embedded broker could not be started again on its compacted log")
+                return
+
+
 class HttpService(mode.Service):
     """Runs the HTTP API (``stream.http.server``, on this process's loop, over TLS when
     given a context) and the event publisher next to the Faust app."""
 
     def __init__(self, api: HttpApi, host: str, port: int, tls: ssl.SSLContext | None = None,
-                 **kwargs: Any) -> None:
+                 listening: Callable[[], list[socket.socket] | None] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.api = api
         self.host = host
         self.port = port
         self.tls = tls
+        self.listening = listening  # the socket serve bound at start (stream.http.starting)
         self._server: HttpServer | None = None
-
-    @staticmethod
-    def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
-        """The server TLS context of ``--tls-cert``/``--tls-key`` (``None``: plain HTTP);
-        a pair that cannot be loaded stops the start with one line naming the flags."""
-        if cert is None or key is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise SystemExit(f"configuration error: --tls-cert {cert} / --tls-key {key}: "
-                             f"cannot load them ({type(exc).__name__}: {exc.strerror or exc})") from None
-        return context
 
     async def on_start(self) -> None:
         """Serve HTTP first, so /healthz and /readyz answer during recovery."""
         await self.api.publisher.start()
         self._server = self.api.server()
-        await self._server.start(self.host, self.port, self.tls)
+        await self._server.start(self.host, self.port, self.tls,
+                                 sock=None if self.listening is None else self.listening())
         writes, matches = self.api.write_tokens, self.api.match_tokens
         log.info("HTTP API on %s://%s:%d (not ready yet: loading the view; /readyz says when); "
                  "auth for writes and /v1/state: %s; auth for /v1/match: %s",
@@ -210,8 +271,8 @@ async def rewind_stalled(app: faust.App, topic: str, applied: Mapping[int, int],
 def build_worker(
     settings: Settings, bootstrap_servers: str, partitions: int, *, embedded: bool,
     preload: LocalPreload | None = None,
-    stored: Callable[[str, list[tuple[int, int]]], Awaitable[None]] | None = None,
-    log_problem: Callable[[], str | None] = lambda: None,
+    embedded_cluster: EmbeddedCluster | None = None,
+    listening: Callable[[], list[socket.socket] | None] | None = None,
 ) -> tuple[faust.Worker, StateKeeper]:
     """Assemble the Faust worker with the HTTP service, the changelog follower and the
     event log probe, and return it with its keeper (which holds the view); nothing has
@@ -230,6 +291,10 @@ def build_worker(
                           lambda: state.applied, client)
     refuse_unwritable_state(DataDir(settings.data_dir))  # one line, not Faust's crash
     state_writes = StateWrites()
+
+    def log_problem() -> str | None:
+        return None if embedded_cluster is None else embedded_cluster.problem()
+
     readiness = Readiness(lambda: state.applied, probe, lambda: follower.caught_up,
                           settings.max_lag_events,
                           problem=lambda: "; ".join(filter(None, (state_writes.problem(),
@@ -270,6 +335,8 @@ def build_worker(
         # (a freeze in the middle of the batch); either raises, and the worker stops with
         # nothing of the batch written or acknowledged (its supervisor restarts it).
         tp = TP(settings.events_topic, partition)
+        if records and records[-1].offset <= state.applied.get(partition, -1):
+            return  # applied already (fetched again, e.g. after a rebase): nothing to write
         generation = owner_generation(app)
         await confirm_owner(app, generation, tp, ask=False)
         # the view's part stays what the file holds only if it was before and the file
@@ -375,14 +442,20 @@ def build_worker(
                         "the recovery loads them", type(exc).__name__, exc)
 
     publisher = EventPublisher(bootstrap_servers, settings.events_topic, settings.produce_timeout_s,
-                               settings.max_writes_in_flight, settings.kafka, stored)
+                               settings.max_writes_in_flight, settings.kafka,
+                               None if embedded_cluster is None else embedded_cluster.wait_stored)
     api = HttpApi(state, publisher, metrics, settings.limits, readiness.report,
                   write_tokens=open_token_file(settings.auth_token_file, "--auth-token-file"),
                   match_tokens=open_token_file(settings.match_auth_token_file, "--match-auth-token-file"),
-                  match_source=settings.match_source)
+                  match_source=settings.match_source, body_readers=settings.body_readers,
+                  body_read_timeout_s=settings.body_read_timeout_s)
     http = HttpService(api, settings.host, settings.port,
-                       HttpService.tls_context(settings.tls_cert, settings.tls_key))
-    worker = faust.Worker(app, http, follower, probe, StartTask(ready_from_local_files),
-                          loglevel=settings.log_level, quiet=True)
+                       tls_context(settings.tls_cert, settings.tls_key), listening)
+    services: list[mode.Service] = [http, follower, probe, StartTask(ready_from_local_files)]
+    if embedded_cluster is not None:
+        rebased = _RebasedWorker(app, publisher, consumer_lag, partitions,
+                                 lambda p: table.data.persisted_offset(TP(changelog, p)))
+        services.append(RebaseService(embedded_cluster, settings.embedded_rebase_bytes, rebased))
+    worker = faust.Worker(app, *services, loglevel=settings.log_level, quiet=True)
     worker.spinner = None  # a terminal spinner only garbles service logs
     return worker, keeper

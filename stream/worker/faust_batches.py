@@ -78,12 +78,12 @@ from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
 from stream import internals
-from stream.kafka.coordinator import LostMembership, confirm_membership, generation_of
+from stream.kafka.coordinator import LostMembership, confirm_membership, generation_of, member_of
 from stream.kafka.coordinator import check_version as check_coordinator_version
 
 __all__ = ["CONSUMER_INTERNALS", "CONSUMER_PRIVATE", "PINNED", "BatchHandler", "BatchPlan",
            "PromptTableManager", "check_versions", "confirm_owner", "install",
-           "committed_offset", "owner_generation", "plan_batch", "seek"]
+           "committed_offset", "owner_generation", "owner_member", "plan_batch", "seek"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,11 @@ def owner_generation(app: faust.App) -> int:
     """The consumer group generation this worker is a member of now: taken by the batch
     handler when it starts, for ``confirm_owner``."""
     return generation_of(app.consumer._thread._ensure_consumer())  # type: ignore[attr-defined]
+
+
+def owner_member(app: faust.App) -> tuple[str, int]:
+    """The member id and generation this worker has in its group now (``member_of``)."""
+    return member_of(app.consumer._thread._ensure_consumer())  # type: ignore[attr-defined]
 
 
 async def confirm_owner(app: faust.App, generation: int, tp: TP, *, ask: bool = True,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import mode
@@ -29,13 +28,13 @@ from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError
 from aiokafka.structs import TopicPartition
 
 from stream.core.cache import CacheState
+from stream.state.checkpoint import Reread
 from stream.state.store import (
     APPLIED_KEY,
     ChangelogGate,
     decode_applied,
     decode_change,
     decode_engine_change,
-    encode_applied,
     is_engine_key,
 )
 from stream.state.view_load import load_partition_into_view
@@ -47,56 +46,6 @@ __all__ = ["ChangelogFollower", "Reread"]
 FOLLOW_RECORDS = 2000
 
 log = logging.getLogger(__name__)
-
-
-class Reread:
-    """One partition's changelog read again from its start, kept aside from the view: the
-    latest value of every entry key (a removal forgets the key), grouped by endpoint, and
-    the owner's last applied offset; engine views' records likewise, by endpoint (a
-    view's own record removed forgets the view)."""
-
-    def __init__(self) -> None:
-        self.endpoints: dict[str, dict[bytes, bytes]] = {}
-        self.views: dict[str, dict[bytes, bytes]] = {}
-        self.applied: int | None = None
-
-    def add(self, key: bytes, value: bytes | None) -> None:
-        """Take one changelog record."""
-        if key == APPLIED_KEY:
-            if value is not None:
-                self.applied = decode_applied(value)
-            return
-        change = decode_change(key, value)
-        if change is None:
-            engine = decode_engine_change(key, value)
-            if engine is not None:
-                self._add_engine(key, value, *engine)
-            return
-        group = self.endpoints.setdefault(change[0], {})
-        if value is None:
-            group.pop(key, None)
-        else:
-            group[key] = value
-
-    def _add_engine(self, key: bytes, value: bytes | None, endpoint: str, digest: str | None,
-                    size: int | None) -> None:
-        if digest is None and value is None:
-            self.views.pop(endpoint, None)
-            return
-        group = self.views.setdefault(endpoint, {})
-        if value is None:
-            group.pop(key, None)
-        else:
-            group[key] = value
-
-    def records(self) -> Iterator[tuple[bytes, bytes]]:
-        """The partition as store records, each endpoint's keys together."""
-        for group in self.endpoints.values():
-            yield from group.items()
-        for group in self.views.values():
-            yield from group.items()
-        if self.applied is not None:
-            yield APPLIED_KEY, encode_applied(self.applied)
 
 
 class ChangelogFollower(mode.Service):

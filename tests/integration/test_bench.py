@@ -111,3 +111,14 @@ def test_state_poll_scenario_measures_polled_against_unpolled(bootstrap, tmp_pat
     assert "/v1/state calls" in worst.note and int(worst.note.split()[0]) >= 1
     hold = figures["state_call_longest_loop_hold"]
     assert hold.value > 0 and hold.passed == (hold.value <= 5)
+
+
+def test_big_bodies_scenario_measures_placements_under_the_flood_against_alone(bootstrap, tmp_path):
+    (figure,) = run(tmp_path / "b.json", only=["big_bodies"], bootstrap=bootstrap, scale=0.01)
+    assert figure.name == "placement_p99_under_match_flood" and figure.unit == "ms"
+    assert 0 < figure.control and 0 < figure.value
+    assert figure.ratio == pytest.approx(figure.value / figure.control, abs=0.051)
+    assert "0 placements not 202" in figure.note
+    assert figure.passed == (figure.value <= 1000)
+    assert "the junk matches' answers" in figure.note
+    assert set(orjson.loads((tmp_path / "b.json").read_bytes())["figures"][0]) == KEYS

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from stream.core.lru import Entry
 from stream.kafka.embedded_log import (
     EmbeddedLog,
     LogRecord,
@@ -13,7 +14,8 @@ from stream.kafka.embedded_log import (
     is_log_entry,
     read_frames,
 )
-from stream.state.store import APPLIED_KEY, applied_at, encode_applied
+from stream.kafka.log_cleaner import Retention, compact
+from stream.state.store import APPLIED_KEY, admit_changelog, applied_at, encode_applied, encode_entry
 
 RECORDS = [
     LogRecord(0, 1_700_000_000_000, 0, b"ns/pod-a", b'{"v":1}', (("mmcache.reason", b"x"),)),
@@ -74,7 +76,8 @@ def _changelog(*applied: int) -> list[LogRecord]:
     """A changelog partition: per batch one entry record, then its applied-offset record."""
     records: list[LogRecord] = []
     for offset in applied:
-        for key, value in ((b"\x01entry", b"e"), (APPLIED_KEY, encode_applied(offset))):
+        entry = encode_entry(Entry("ns/e", "h", 1, offset, 0))  # ranked by its event
+        for key, value in ((b"\x01entry", entry), (APPLIED_KEY, encode_applied(offset))):
             records.append(LogRecord(len(records), 0, 0, key, value))
     return records
 
@@ -100,7 +103,11 @@ def test_after_a_kill_the_changelog_is_cut_where_the_kept_events_end(tmp_path):
     files.partition_path("app-events", 0).write_bytes(b"".join(map(encode_frame, events)))
     changelog = _changelog(1, 3, 5)  # event 5's batch reached the journal, event 5 did not
     files.partition_path("app-lru-changelog", 0).write_bytes(b"".join(map(encode_frame, changelog)))
-    assert files.cut_unfinished_changelogs(applied_at) == 2
-    assert files.records("app-lru-changelog", 0) == changelog[:4]
+    keep_all = Retention(ms=-1, bytes=-1)
+    plans = compact(files, applied_at, admit_changelog, lambda partition: -1, keep_all, 0, killed=True)
+    # cut after applied offset 3 (event 5 is not kept), then compacted (one entry key)
+    assert files.records("app-lru-changelog", 0) == changelog[2:4]
+    assert [f.offset for f in plans[("app-lru-changelog", 0)]] == [2, 3]
     assert files.records("app-events", 0) == events
-    assert files.cut_unfinished_changelogs(applied_at) == 0
+    compact(files, applied_at, admit_changelog, lambda partition: -1, keep_all, 0, killed=True)
+    assert files.records("app-lru-changelog", 0) == changelog[2:4]

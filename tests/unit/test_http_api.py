@@ -317,8 +317,8 @@ def test_a_body_read_in_the_child_process_gets_the_answer_it_gets_inline():
 
 
 def test_bodies_queued_for_the_child_when_the_service_stops_get_a_503_not_a_wait():
-    """Their frames go one at a time; a stop cuts the one being written and those behind it
-    never started: each is answered, and no new child starts after the stop."""
+    """A stop cuts the body being written and those waiting for a child never started: each
+    is answered, and no child is left after the stop."""
     from stream.http import body_reader
     from stream.http.bodies import match_query
 
@@ -326,16 +326,16 @@ def test_bodies_queued_for_the_child_when_the_service_stops_get_a_503_not_a_wait
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * (8 << 20)}}]}]}})
 
     async def run() -> tuple[list, bool]:
-        reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0)
+        reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0, readers=1)
         await reader.read(match_query, [BODIES[1]])  # the child started
-        child = reader._child
+        (child,) = reader.children
         asks = [asyncio.create_task(reader.read(match_query, [big])) for _ in range(3)]
-        await until_true(lambda: child._writing.locked() and len(child._writes) == 3)
+        await until_true(lambda: child._writing.locked() and reader.queued("match") == 2)
         await reader.close()
         done, waiting = await asyncio.wait(asks, timeout=10)
         for ask in waiting:
             ask.cancel()
-        return [(ask.exception().status, ask.exception().code) for ask in done], reader._child is None
+        return [(ask.exception().status, ask.exception().code) for ask in done], not reader.children
 
     answers, no_child = asyncio.run(run())
     assert answers == [(503, "body_reader_unavailable")] * 3
@@ -357,10 +357,11 @@ def test_a_body_whose_child_died_is_read_by_a_new_one_and_a_503_only_if_that_die
         reader = body_reader.BodyReader(DEFAULT_LIMITS, inline_bytes=0)
         try:
             first = await reader.read(match_query, [BODIES[1]])
-            old = reader._child
+            (old,) = reader.children
             old.process.kill()
             again = await reader.read(match_query, [BODIES[1][:20], BODIES[1][20:]])
-            assert reader._child is not old and old.process.wait(5) is not None
+            assert len(reader.children) == 1 and old not in reader.children
+            assert old.process.wait(5) is not None
 
             async def ended(self, name, chunks):
                 raise body_reader._ChildEnded()

@@ -507,7 +507,7 @@ def test_the_largest_body_within_the_limits_is_read_and_handed_on_a_slice_a_turn
         original_read(self, data, sliced)
 
     def hands(self, data) -> None:
-        if self is child_stdin():
+        if any(self is child.requests for child in api.bodies.children):  # a body reader's stdin
             handed[turn] += sum(map(len, data))
         original_hand(self, data)
 
@@ -515,10 +515,6 @@ def test_the_largest_body_within_the_limits_is_read_and_handed_on_a_slice_a_turn
     original_hand = asyncio.StreamWriter.writelines
     monkeypatch.setattr(http_server._Connection, "data_received", reads)
     monkeypatch.setattr(asyncio.StreamWriter, "writelines", hands)
-
-    def child_stdin() -> asyncio.StreamWriter | None:
-        child = api.bodies._child
-        return None if child is None else child.requests
 
     async def run() -> list[bytes]:
         nonlocal done

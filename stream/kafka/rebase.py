@@ -1,0 +1,169 @@
+"""`serve`'s own embedded broker, its kept log and journal, and the rebase that bounds
+the broker's memory while it runs.
+
+Tansu's memory storage frees nothing (no compaction, no retention, no ``DeleteRecords``):
+left alone, the broker would hold every record written since its start. So once the
+journal has written ``rebase_bytes`` to the kept log since the last (re)start, the
+broker is started again on the compacted log, which is what a start does
+(``stream.kafka.log_cleaner``), without stopping `serve`:
+
+1. writes are held (each waits within its own time budget: a rebase longer than
+   ``--produce-timeout-s`` answers 503 to the writes it held, never loses one);
+2. the worker is settled: every event on the log applied, its changelog flushed, and the
+   journal holds everything the broker holds;
+3. the journal and the broker are stopped; the kept log is compacted (tombstones kept
+   above the offsets the live table files hold); a new broker is started on the same
+   port with the same cluster id and given the log at its own offsets; a new journal
+   starts; writes go on.
+
+Records keep their offsets, so every client of the broker (Faust's consumer and producer,
+the follower, the probe, the publisher) reconnects to "the same" log: the group is joined
+again (the new broker has no group), and the consumer, whose committed offsets are gone,
+starts at the first record the broker holds, at or after what the view has applied.
+`/v1/match` answers from the view throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+from stream.kafka.embedded import EmbeddedBroker
+from stream.kafka.embedded_log import AppliedAt, EmbeddedLog, Journal
+from stream.kafka.log_cleaner import Admit, Retention, compact, now_ms
+
+__all__ = ["EmbeddedCluster", "RebasedWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class RebasedWorker(Protocol):
+    """What a rebase needs of the worker on the broker."""
+
+    def hold_writes(self) -> AbstractAsyncContextManager[None]:
+        """Hold new writes until the context ends; enter once none is in flight."""
+
+    async def settle(self) -> None:
+        """Return once every event on the log is applied and its changelog flushed."""
+
+    def tombstones_through(self, partition: int) -> int:
+        """The changelog offset the partition's live table file holds (-1: unknown)."""
+
+    def member(self) -> object:
+        """Who the worker is in its consumer group now."""
+
+    async def rejoined(self, before: object) -> None:
+        """Return once the worker is a member again, other than ``before``, with all its
+        partitions."""
+
+
+class EmbeddedCluster:
+    """The broker child, its kept log's files and the journal that fills them; the
+    journal's calls (``wait_stored``, ``problem``, ``drain``) go to the current one."""
+
+    def __init__(self, broker: EmbeddedBroker, files: EmbeddedLog, topics: list[str],
+                 retention: Retention, applied_at: AppliedAt, admit: Admit) -> None:
+        self.broker = broker
+        self.files = files
+        self.topics = topics
+        self.retention = retention
+        self.applied_at = applied_at
+        self.admit = admit
+        self.journal: Journal | None = None
+        self.rebases = 0
+        self.last_rebase_s: float | None = None
+        self._rebasing = False
+
+    def start_journal(self) -> Journal:
+        """Start tailing the broker into the files (``Journal``)."""
+        self.journal = Journal(self.files, self.broker.bootstrap_servers, self.topics).start()
+        return self.journal
+
+    def appended_bytes(self) -> int:
+        """Bytes written to the kept log since the broker last started with it."""
+        return 0 if self.journal is None else self.journal.appended_bytes
+
+    async def wait_stored(self, topic: str, positions: list[tuple[int, int]]) -> None:
+        """The current journal's ``Journal.wait_stored``."""
+        if self.journal is None:
+            raise OSError("the embedded broker's log is not kept right now")
+        await self.journal.wait_stored(topic, positions)
+
+    def problem(self) -> str | None:
+        """The current journal's ``Journal.problem`` (none while a rebase swaps it)."""
+        if self._rebasing:
+            return None
+        if self.journal is None:
+            return "the embedded broker's log is not kept: its journal is not running"
+        return self.journal.problem()
+
+    def drain(self, timeout: float) -> bool:
+        """The current journal's ``Journal.drain``."""
+        return self.journal is not None and self.journal.drain(timeout)
+
+    def stop(self) -> None:
+        """Stop the journal, then the broker."""
+        if self.journal is not None:
+            self.journal.stop()
+        self.broker.stop()
+
+    async def rebase(self, worker: RebasedWorker, drain_timeout_s: float = 30.0) -> bool:
+        """Start the broker again on the compacted log (the module's steps); False (and
+        nothing changed) when the worker or the journal did not settle in time."""
+        started = time.monotonic()
+        steps: dict[str, float] = {}
+
+        def step(name: str) -> None:
+            steps[name] = time.monotonic()
+
+        async with worker.hold_writes():
+            step("writes held")
+            try:
+                await asyncio.wait_for(worker.settle(), drain_timeout_s)
+            except TimeoutError:
+                log.warning("embedded broker rebase put off: the worker did not settle within "
+                            "%.0f s", drain_timeout_s)
+                return False
+            step("worker settled")
+            journal = self.journal
+            assert journal is not None
+            if not await asyncio.to_thread(journal.drain, drain_timeout_s):
+                log.warning("embedded broker rebase put off: the journal did not catch up")
+                return False
+            step("journal drained")
+            member = worker.member()
+            self._rebasing = True
+            try:
+                journal.stop()
+                self.journal = None
+                self.broker.fixed_cluster_id = self.broker.cluster_id  # "the same" cluster
+                # its log is all in the files: no need to wait for its clients to go (Tansu
+                # waits for open connections on SIGTERM, ~5 s)
+                self.broker.stop(timeout=0.1)
+                step("broker stopped")
+                plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+                                                worker.tombstones_through, self.retention, now_ms())
+                step("log compacted")
+                await asyncio.to_thread(self.broker.start)
+                restored = await self.files.restore(self.broker.bootstrap_servers, plans)
+                step("log restored")
+                await asyncio.to_thread(self.start_journal)
+                step("journal started")
+            finally:
+                self._rebasing = False
+            # a batch fetched in the old group's generation would be taken for a zombie's
+            await asyncio.wait_for(worker.rejoined(member), drain_timeout_s)
+            step("group joined again")
+        self.rebases += 1
+        self.last_rebase_s = time.monotonic() - started
+        split, before = [], started
+        for name, at in steps.items():
+            split.append(f"{name} +{at - before:.2f} s")
+            before = at
+        log.info("embedded broker started again on its compacted log in %.2f s (%s; %s); writes go on",
+                 self.last_rebase_s, ", ".join(split),
+                 ", ".join(f"{topic} {n} records" for topic, n in restored.items()))
+        return True

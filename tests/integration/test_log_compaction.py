@@ -1,0 +1,348 @@
+"""The embedded default bounds its kept log (stream.kafka.log_cleaner): each start compacts
+the changelog and applies the retention, the new broker gets the log back at its own
+offsets (gaps and all), the port answers probes from the start, and a kill -9 at any
+point of that loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from stream.core.admission import fold_record
+from stream.core.cache import CacheState
+from stream.core.engine import ENGINE_VIEW_ENTRIES
+from stream.core.lru import Capacity, Entry
+from stream.core.routing import key_partition
+from stream.kafka.batches import RawPartitionWriter
+from stream.kafka.embedded import EmbeddedBroker
+from stream.kafka.embedded_log import EmbeddedLog, LogRecord, encode_frame
+from stream.kafka.log_cleaner import scan
+from stream.kafka.tansu import apply_remedies
+from stream.kafka.topics import ensure_topic
+from stream.state.store import applied_at, encode_applied, encode_entry, entry_key
+from tests.integration.conftest import READY_TIMEOUT_S, eventually, http
+from tests.integration.test_embedded_log import EmbeddedServe
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 8  # serve's default
+
+
+async def _written_and_read(bootstrap: str, offsets: list[int]) -> tuple[list[int], int]:
+    await ensure_topic(bootstrap, "gaps", 1, {})
+    records = [LogRecord(o, 1_700_000_000_000 + o, 0, b"k", str(o).encode()) for o in offsets]
+    async with RawPartitionWriter(bootstrap) as writer:
+        await writer.write("gaps", 0, records[:2])
+        await writer.write("gaps", 0, records[2:])
+        with pytest.raises(ValueError, match="below the partition's end"):
+            await writer.write("gaps", 0, records[:1])
+    apply_remedies()  # the end offset from a fetch (Tansu's ListOffsets is wrong)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tp = TopicPartition("gaps", 0)
+        consumer.assign([tp])
+        read: list[int] = []
+        async with asyncio.timeout(15):
+            while len(read) < len(offsets):
+                for batch in (await consumer.getmany(timeout_ms=200)).values():
+                    read += [r.offset for r in batch if r.value == str(r.offset).encode()]
+        return read, (await consumer.end_offsets([tp]))[tp]
+    finally:
+        await consumer.stop()
+
+
+def test_the_broker_keeps_each_record_at_its_own_offset_gaps_and_all():
+    """What giving a compacted log back relies on (Tansu 0.6.0 keeps a batch's offset deltas)."""
+    offsets = [5, 9, 10, 1000, 1003]
+    with EmbeddedBroker() as broker:
+        read, end = asyncio.run(_written_and_read(broker.bootstrap_servers, offsets))
+    assert read == offsets
+    assert end == 1004
+
+
+class Serve(EmbeddedServe):
+    """An embedded serve with extra flags."""
+
+    def __init__(self, data_dir: Path, log_path: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(data_dir, log_path)
+        self.flags = flags
+        self.env = env or {}
+
+    def start(self, **popen):  # type: ignore[no-untyped-def]
+        import os
+        import subprocess
+        import sys
+
+        from tests.integration.test_embedded_log import REPO
+
+        env = {k: v for k, v in os.environ.items() if k != "MMCACHE_BOOTSTRAP_SERVERS"}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--data-dir", str(self.data_dir), *self.flags],
+                stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env, "PYTHONPATH": REPO},
+                **popen)
+        return self
+
+    def probe(self, path: str) -> tuple[int, dict] | None:
+        try:
+            return http("GET", self.url + path)
+        except OSError:
+            return None
+
+
+@pytest.fixture
+def serves(tmp_path: Path, request: pytest.FixtureRequest):
+    started: list[Serve] = []
+
+    def make(data: Path, *flags: str, wait: bool = True, env: dict[str, str] | None = None) -> Serve:
+        service = Serve(data, tmp_path / f"serve-{len(started)}.log", *flags, env=env).start()
+        started.append(service)
+        if wait:
+            service.wait_ready()
+        return service
+
+    yield make
+    failed = getattr(request.node, "report_call", None)
+    for service in started:
+        if failed is not None and failed.failed:
+            print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
+        if service.process is not None:
+            service.stop(signal.SIGKILL)
+
+
+def _place(service: Serve, endpoint: str, digest: str) -> None:
+    body = {"request_id": digest, "endpoints": [endpoint],
+            "items": [{"hash": digest, "size": 1, "modality": "image"}]}
+    assert http("POST", service.url + "/v1/placements", body)[0] == 202
+
+
+def _held(service: Serve, endpoint: str, hashes: list[str]) -> list[str]:
+    body = {"endpoints": [endpoint], "body": {"generate": {"features": {"mm_hashes": {"image": hashes}}}}}
+    status, answer = http("POST", service.url + "/v1/match", body)
+    assert status == 200, answer
+    return [item["hash"] for item in answer["endpoints"][0]["matched_items"]]
+
+
+def _replayed_digest(data: Path, capacity_mb: int | None = None) -> str:
+    """The digest of the kept event log folded offline by the pure core: what the live
+    state must be once it applied every acknowledged event (all still kept)."""
+    state = CacheState(Capacity.from_params(capacity_mb), ENGINE_VIEW_ENTRIES)
+    kept = EmbeddedLog(data / "v1" / "log")
+    for partition in range(PARTITIONS):
+        for record in kept.records("mmcache-events", partition):
+            fold_record(state, partition, record.offset, record.key, record.value, PARTITIONS)
+    return state.digest()
+
+
+def _records(log: EmbeddedLog, topic: str) -> int:
+    return sum(len(log.records(topic, p)) for p in range(PARTITIONS))
+
+
+def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(serves, tmp_path):
+    data = tmp_path / "data"
+    small = ("--cache-size-mb-per-server", "20")  # 10 entries an endpoint: evictions, tombstones
+    first = serves(data, *small)
+    endpoints = [f"ns/pod-{i}" for i in range(6)]
+    for round_ in range(5):  # the same items placed again and again: superseded records
+        for e, endpoint in enumerate(endpoints):
+            for i in range(14):
+                _place(first, endpoint, f"h-{e}-{(i + round_ * 3) % 20}")
+    assert first.stop(signal.SIGTERM) == 0
+    kept = EmbeddedLog(data / "v1" / "log")
+    written = _records(kept, "mmcache-lru-changelog")
+    events = _records(kept, "mmcache-events")
+    digest = _replayed_digest(data, 20)
+
+    again = serves(data, *small)
+    assert "embedded broker's log compacted" in again.log()
+    eventually(lambda: again.settled_digest() == digest, timeout=30)
+    compacted = _records(kept, "mmcache-lru-changelog")
+    # at most one record a key (6 x 10 entries, an applied record and a view key a partition)
+    assert compacted < written and compacted <= 6 * 10 + 2 * PARTITIONS
+    assert _records(kept, "mmcache-events") == events  # within the default retention
+    last = {endpoint: [f"h-{e}-{(i + 12) % 20}" for i in range(4, 14)] for e, endpoint in enumerate(endpoints)}
+    for endpoint, hashes in last.items():
+        assert sorted(_held(again, endpoint, hashes)) == sorted(hashes)
+    # a write after the restart lands after the kept offsets, and a kill keeps it too
+    _place(again, endpoints[0], "h-after")
+    eventually(lambda: _held(again, endpoints[0], ["h-after"]) == ["h-after"], timeout=30)
+    again.stop(signal.SIGKILL)
+    after = _replayed_digest(data, 20)
+    third = serves(data, *small)
+    eventually(lambda: third.settled_digest() == after, timeout=30)
+
+
+def test_retention_drops_old_events_from_disk_and_the_state_stays(serves, tmp_path):
+    data = tmp_path / "data"
+    first = serves(data)
+    for i in range(200):
+        _place(first, f"ns/pod-{i % 4}", f"h-{i}")
+    assert first.stop(signal.SIGTERM) == 0
+    kept = EmbeddedLog(data / "v1" / "log")
+    assert _records(kept, "mmcache-events") == 200
+    digest = _replayed_digest(data)
+
+    # a retention of one byte keeps the last event of each partition (its end offset)
+    again = serves(data, env={"MMCACHE_EMBEDDED_RETENTION_BYTES": "1"})
+    eventually(lambda: again.settled_digest() == digest, timeout=30)
+    written = [p for p in range(PARTITIONS) if kept.records("mmcache-events", p)]
+    assert _records(kept, "mmcache-events") == len(written)
+    for i in range(4):
+        hashes = [f"h-{n}" for n in range(i, 200, 4)]
+        assert sorted(_held(again, f"ns/pod-{i}", hashes)) == sorted(hashes)
+
+
+def _synthetic_history(data: Path, entries_per_partition: int) -> None:
+    """Append to a stopped serve's kept changelog two versions of each of many entries
+    and an applied record per partition: a history that takes a while to compact and to
+    give back, valid for the state's readers."""
+    log = EmbeddedLog(data / "v1" / "log")
+    for partition in range(PARTITIONS):
+        with open(log.partition_path("mmcache-events", partition), "rb") as handle:
+            events = scan(handle.read())[0]
+        applied = events[-1].offset if events else -1
+        path = log.partition_path("mmcache-lru-changelog", partition)
+        frames = scan(path.read_bytes())[0]
+        offset = frames[-1].offset + 1 if frames else 0
+        endpoints, e = [], 0
+        while len(endpoints) < 200:  # endpoints routed to this partition
+            name = f"ns/synthetic-{e}"
+            if key_partition(name.encode(), PARTITIONS) == partition:
+                endpoints.append(name)
+            e += 1
+        chunk = []
+        for version in range(2):
+            for i in range(entries_per_partition):
+                endpoint = endpoints[i % len(endpoints)]
+                key = entry_key(endpoint, f"s{partition}-{i}")
+                chunk.append(encode_frame(LogRecord(offset, 1_700_000_000_000, 0, key, encode_entry(
+                    Entry(endpoint, f"s{partition}-{i}", 1, max(applied, 0), i * 2 + version)))))
+                offset += 1
+        chunk.append(encode_frame(LogRecord(offset, 1_700_000_000_000, 0, b"\x02applied",
+                                            encode_applied(applied))))
+        assert applied_at(b"\x02applied", encode_applied(applied)) == applied
+        with open(path, "ab") as handle:
+            handle.write(b"".join(chunk))
+    snapshot = data / "v1" / "view.snapshot"
+    if snapshot.exists():
+        snapshot.unlink()
+
+
+def _history_dir(serves, tmp_path: Path, entries_per_partition: int) -> Path:
+    data = tmp_path / "history"
+    first = serves(data)
+    for i in range(64):
+        _place(first, f"ns/pod-{i}", f"h-{i}")
+    assert first.stop(signal.SIGTERM) == 0
+    _synthetic_history(data, entries_per_partition)
+    return data
+
+
+def test_the_port_answers_probes_from_the_start_and_readyz_says_why(serves, tmp_path):
+    data = _history_dir(serves, tmp_path, 20_000)
+    service = serves(data, wait=False)
+    seen: list[tuple[int, int, str]] = []
+
+    def answered() -> bool:
+        assert service.process is not None and service.process.poll() is None, service.tail()
+        health, ready = service.probe("/healthz"), service.probe("/readyz")
+        if health is None or ready is None:
+            return False
+        seen.append((health[0], ready[0], ready[1].get("reason", "")))
+        return ready[0] == 200
+
+    eventually(answered, timeout=READY_TIMEOUT_S, interval=0.02)
+    # before it was ready, the port answered: alive, not ready, and what it was doing
+    waiting = [reason for health, ready, reason in seen if ready == 503]
+    assert all(health == 200 for health, _, _ in seen)
+    assert any("embedded broker's log" in reason for reason in waiting), seen
+
+
+@pytest.mark.parametrize("phase", ["compacting", "restoring"])
+def test_a_kill_9_while_compacting_or_restoring_loses_nothing(serves, tmp_path, phase):
+    data = _history_dir(serves, tmp_path, 20_000)
+    control = tmp_path / "control"
+    shutil.copytree(data, control)
+    expected = serves(control)
+    digest = expected.settled_digest()
+    expected.stop(signal.SIGKILL)
+
+    victim = serves(data, wait=False)
+
+    def in_phase() -> bool:
+        assert victim.process is not None and victim.process.poll() is None, victim.tail()
+        ready = victim.probe("/readyz")
+        return ready is not None and phase in ready[1].get("reason", "")
+
+    eventually(in_phase, timeout=READY_TIMEOUT_S, interval=0.005)
+    victim.stop(signal.SIGKILL)
+    started = time.monotonic()
+    again = serves(data)
+    assert again.settled_digest() == digest, time.monotonic() - started
+
+
+def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(serves, tmp_path):
+    """A rebase (stream.kafka.rebase) under writes: each write is acknowledged (202) or
+    refused (503, not acknowledged), none answered 202 is lost, through the rebases and a
+    kill -9 after them."""
+    import threading
+
+    data = tmp_path / "data"
+    service = serves(data, "--cache-size-mb-per-server", "20",
+                     env={"MMCACHE_EMBEDDED_REBASE_BYTES": "40000"})
+    acknowledged: list[tuple[str, str]] = []
+    refused: list[int] = []
+    stop = threading.Event()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            # each loader its own endpoints: an endpoint's writes are in the log in the
+            # order they were acknowledged
+            endpoint, digest = f"ns/rebase-{worker}-{n % 2}", f"w{worker}-{n}"
+            body = {"request_id": digest, "endpoints": [endpoint],
+                    "items": [{"hash": digest, "size": 1, "modality": "image"}]}
+            status = http("POST", service.url + "/v1/placements", body)[0]
+            if status == 202:
+                acknowledged.append((endpoint, digest))
+            else:
+                assert status == 503, status
+                refused.append(status)
+            n += 1
+
+    loaders = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+    for loader in loaders:
+        loader.start()
+    try:
+        eventually(lambda: service.log().count("started again on its compacted log") >= 2, timeout=120)
+    finally:
+        stop.set()
+        for loader in loaders:
+            loader.join()
+    # the last 10 acknowledged placements of each endpoint are what it holds
+    last: dict[str, list[str]] = {}
+    for endpoint, digest in acknowledged:
+        last.setdefault(endpoint, []).append(digest)
+    expected = {endpoint: sorted(hashes[-10:]) for endpoint, hashes in last.items()}
+
+    def held_all(target: Serve) -> bool:
+        return all(sorted(_held(target, e, hashes)) == hashes for e, hashes in expected.items())
+
+    eventually(lambda: held_all(service), timeout=30)
+    service.stop(signal.SIGKILL)
+    again = serves(data, "--cache-size-mb-per-server", "20")
+    eventually(lambda: held_all(again), timeout=30)
+    # the kept events fold to the live state (the retention kept them all)
+    digest = _replayed_digest(data, 20)
+    eventually(lambda: again.settled_digest() == digest, timeout=30)
