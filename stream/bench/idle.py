@@ -36,7 +36,8 @@ _BROKER_LINE = re.compile(r"started an embedded Kafka-protocol broker \(Tansu\) 
 
 
 def _broker_pid(pid: int) -> int:
-    """The embedded broker: the one child of `serve` (Linux)."""
+    """The embedded broker now: the one child of `serve` (Linux; a rebase of the kept log
+    starts another)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     if len(children) != 1:
         raise RuntimeError(f"serve {pid} has children {children}, not one broker")
@@ -129,7 +130,6 @@ def match_embedded_figures(events: int, seconds: int, runs: int) -> list[Figure]
         control: Server | None = None
         try:
             worker.wait_ready(120)
-            broker = _broker_pid(worker.process.pid)
             asyncio.run(produce_placements(_bootstrap(worker), "mmcache-events", events))
             state = full_state(CacheState(Capacity.from_params()), events)
             entries = sum(len(lru.entries) for lru in state.endpoints.values())
@@ -151,6 +151,7 @@ def match_embedded_figures(events: int, seconds: int, runs: int) -> list[Figure]
                     if who == "control":
                         rates[who].append(wrk_rate(control.url, bodies, seconds))
                         continue
+                    broker = _broker_pid(worker.process.pid)  # a rebase starts another one
                     before = cpu_seconds(worker.process.pid), cpu_seconds(broker)
                     rates[who].append(wrk_rate(url, bodies, seconds))
                     busy.append((cpu_seconds(worker.process.pid) - before[0]
