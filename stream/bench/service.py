@@ -43,7 +43,7 @@ class Worker:
     it and its children run on that core only."""
 
     def __init__(self, bootstrap: str | None, app_id: str, data_dir: Path, topic: str | None = None,
-                 core: str | None = None):
+                 core: str | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         command = [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--app-id", app_id, "--data-dir", str(data_dir)]
@@ -58,7 +58,7 @@ class Worker:
             def pin() -> None:
                 os.sched_setaffinity(0, {int(core)})
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        preexec_fn=pin)  # noqa: PLW1509 - only the affinity call
+                                        env={**os.environ, **(env or {})}, preexec_fn=pin)  # noqa: PLW1509 - only the affinity call
         self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
