@@ -174,5 +174,4 @@ def match_embedded_figures(events: int, seconds: int, runs: int) -> list[Figure]
         f"{events:,} events applied; wrk -t1 -c32 on the other core; core busy "
         f"{100 * statistics.median(busy):.0f}% (serve + broker); {runs} alternated runs of "
         f"{seconds} s, service {span(rates['service'])}, "
-        f"control {span(rates['control'])}; issue 30 found 0.35 (3,415 against 9,729) before the "
-        f"fetch gate")]
+        f"control {span(rates['control'])}; 0.35 (3,415 against 9,729) before the fetch gate")]

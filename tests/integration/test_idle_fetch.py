@@ -1,7 +1,7 @@
 """An idle `serve` on its embedded default costs nothing: its consumers (the worker's, the
 kept log's journal) send no fetch request while nothing is written, and a write it takes
-is still in its view at once, long before the idle poll would have found it (issue 30, 5;
-stream.kafka.fetch_gate). Counts and an ordering, not wall-clock bounds."""
+is still in its view at once, long before the idle poll would have found it
+(stream.kafka.fetch_gate). Counts and an ordering, not wall-clock bounds."""
 
 from __future__ import annotations
 
