@@ -61,16 +61,23 @@ XDIST := -n 4 --dist loadgroup
 vllm-wheel: $(STAMP)
 	$(BIN)/python -m tests.vllm_wheel
 
+# Both parts always run (the `alone` part too when the parallel part failed), each says how
+# it went, and the target fails if either did (.ci/run runs `make test`).
 test: $(STAMP) tools golang vllm-wheel
-	$(BIN)/python -m pytest -q $(XDIST) -m "not alone"
-	$(BIN)/python -m pytest -q -m alone
+	@$(BIN)/python -m pytest -q $(XDIST) -m "not alone"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
+	echo "make test: parallel part exit $$parallel, alone part exit $$alone"; \
+	test $$parallel -eq 0 && test $$alone -eq 0
+
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
 integration: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) -m "not alone" tests/integration
-	$(BIN)/python -m pytest -q -m alone tests/integration
+	@$(BIN)/python -m pytest -q $(XDIST) -m "not alone" tests/integration; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m alone tests/integration; alone=$$?; \
+	echo "make integration: parallel part exit $$parallel, alone part exit $$alone"; \
+	test $$parallel -eq 0 && test $$alone -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check stream tests clients/vllm

@@ -42,7 +42,7 @@ _CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server"
 _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
                 *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
                 "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
-                "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
+                "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source", "log_level",
                 "checkpoint_topic", "from_checkpoint")
 
 
@@ -267,6 +267,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
           type=float, metavar="S")
     _flag(serve, "--shutdown-timeout-s", "exit anyway this long after SIGTERM, keeping the local "
           "state (exit code 3)", type=float, metavar="S")
+    _flag(serve, "--idle-poll-s", "on the embedded broker: how often idle consumers look for writes "
+          "made by other processes (serve's own writes are seen at once)", type=float, metavar="S")
     _flag(serve, "--max-lag-events", "/readyz answers 503 while the view lags the log by more "
           "than N events", type=int, default="off", metavar="N")
     _flag(serve, "--match-source", "what /v1/match answers each endpoint from: auto (its engine "

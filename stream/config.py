@@ -150,6 +150,9 @@ class Settings(BaseSettings):
     # compacted log once this much was written to the kept log since its start (-1: never;
     # stream.kafka.rebase)
     embedded_rebase_bytes: int = Field(64 * 1024 * 1024, ge=-1)
+    # on serve's own embedded broker: how often an idle consumer looks for writes that did
+    # not pass through this process (its own writes wake it at once; stream.kafka.fetch_gate)
+    idle_poll_s: float = Field(0.5, gt=0, le=600)
     # /readyz answers 503 while the view lags the log by more than this (None: never)
     max_lag_events: int | None = Field(None, ge=0)
     # what /v1/match answers each endpoint from: auto (its engine view where it reported
@@ -370,8 +373,8 @@ FLAGS = frozenset({
     "host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
     "cache_size_mb_per_server", "cache_size_embeddings_per_server", "auth_token_file",
     "match_auth_token_file", "allow_unauthenticated_writes", "tls_cert", "tls_key",
-    "produce_timeout_s", "shutdown_timeout_s", "max_lag_events", "match_source", "log_level",
-    "checkpoint_topic", "from_checkpoint",
+    "produce_timeout_s", "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source",
+    "log_level", "checkpoint_topic", "from_checkpoint",
 })
 
 

@@ -156,6 +156,10 @@ INTERNALS: tuple[Internal, ...] = (
     # -- aiokafka: the fetcher (stream.kafka.fetcher, stream.kafka.tansu) --
     _aiokafka(FETCHER, "__init__", "stream.kafka.fetcher", "wrapped: caps a keyword setting"),
     _aiokafka(FETCHER, "end_offsets", "stream.kafka.tansu", "replaced on Tansu: end offsets from a fetch"),
+    _aiokafka(FETCHER, "_get_actions_per_node", "stream.kafka.fetch_gate",
+              "wrapped on serve's own broker: a repeated empty fetch held until a wake"),
+    _aiokafka(FETCHER, "_proc_fetch_request", "stream.kafka.fetch_gate",
+              "wrapped on serve's own broker: whether a fetch came back empty"),
     _aiokafka(GROUP_COORDINATOR, "_maybe_leave_group", "stream.kafka.tansu",
               "replaced on Tansu: a stopping member expires instead of leaving"),
     _aiokafka(GROUP_COORDINATOR, "reset_generation", "stream.kafka.tansu",

@@ -83,6 +83,8 @@ class Metrics:
         self._checks = [0, 0, 0, 0]
         # set by the HTTP API: whether /readyz answers 200 now
         self.readiness: Callable[[], bool] | None = None
+        # set by the worker on serve's own broker: fetch requests its consumers sent so far
+        self.log_fetches: Callable[[], int] | None = None
         # set by the HTTP API: its server (``stream.http.server.HttpServer``), whose connections,
         # bodies in flight and refusals for its bounds are exported
         self.http_server: Any = None
@@ -228,6 +230,11 @@ class Metrics:
         if self.readiness is not None:
             yield GaugeMetricFamily("mmcache_ready", "1 while /readyz answers 200, else 0",
                                     value=1 if self.readiness() else 0)
+        if self.log_fetches is not None:
+            yield CounterMetricFamily(
+                "mmcache_log_fetch_requests", "Fetch requests this process's consumers (the "
+                "worker's, the kept log's journal, a follower) sent to serve's own embedded broker; "
+                "an idle serve sends a few a second", value=self.log_fetches())
         yield _histogram_family("encoder_cache_hit_ratio",
                                 "Best endpoint score of each match request with items",
                                 {(): self.hit_ratio})

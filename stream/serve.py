@@ -197,6 +197,9 @@ def serve(resolved: Resolved) -> None:
             raise SystemExit(f"configuration error: {exc}") from None
         changelog = changelog_topic(settings.app_id)
         if embedded_cluster is not None:
+            from stream.kafka import fetch_gate
+
+            fetch_gate.install(settings.idle_poll_s)  # its own broker: its writes pass through here
             starting.reason = "starting the embedded broker's journal"
             loop.run_until_complete(asyncio.to_thread(
                 _keep_embedded_log, embedded_cluster, settings, changelog, partitions))

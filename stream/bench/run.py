@@ -47,6 +47,23 @@ def _freshness(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]
     return freshness_figures(bootstrap, _sized(500, 100 if quick else 0, scale))
 
 
+def _idle(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.idle import idle_figures
+
+    # serve on its own embedded broker: the scenario's broker (``bootstrap``) is not used
+    if scale is not None:
+        return idle_figures(1, 4.0, 1.0, 5)
+    return idle_figures(1 if quick else 3, 60.0, 10.0, 30 if quick else 200)
+
+
+def _match_embedded(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.idle import match_embedded_figures
+
+    seconds = 1 if scale else 3 if quick else 10
+    return match_embedded_figures(_sized(600_000, 300_000 if quick else 0, scale), seconds,
+                                  1 if quick or scale else 3)
+
+
 def _ingest(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.service import INGEST_HEADROOM_EVENTS_PER_S, ingest_figures
 
@@ -114,6 +131,8 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "scale3": _scale3,
     "big_bodies": _big_bodies,
     "soak": _soak,
+    "idle": _idle,
+    "match_embedded": _match_embedded,
 }
 
 

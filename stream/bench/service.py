@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import signal
 import statistics
 import subprocess
@@ -37,17 +38,27 @@ INGEST_HEADROOM_EVENTS_PER_S = 80_000
 
 
 class Worker:
-    """One `mmcache serve` child process with a persistent HTTP connection."""
+    """One `mmcache serve` child process with a persistent HTTP connection; with no
+    ``bootstrap``, on its embedded default (its own broker, a child of it); with ``core``,
+    it and its children run on that core only."""
 
-    def __init__(self, bootstrap: str, app_id: str, data_dir: Path, topic: str | None = None):
+    def __init__(self, bootstrap: str | None, app_id: str, data_dir: Path, topic: str | None = None,
+                 core: str | None = None, env: dict[str, str] | None = None):
         self.port = free_port()
         command = [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--app-id", app_id, "--data-dir", str(data_dir),
-                   "--bootstrap-servers", bootstrap]
+                   "--port", str(self.port), "--app-id", app_id, "--data-dir", str(data_dir)]
+        if bootstrap:
+            command += ["--bootstrap-servers", bootstrap]
         if topic:
             command += ["--topic", topic]
-        self.log = open(data_dir.parent / f"{app_id}.log", "ab")  # noqa: SIM115
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = data_dir.parent / f"{app_id}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
+        pin = None
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            def pin() -> None:
+                os.sched_setaffinity(0, {int(core)})
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})}, preexec_fn=pin)  # noqa: PLW1509 - only the affinity call
         self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:

@@ -41,6 +41,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from stream.kafka import fetch_gate
+
 __all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "EmbeddedLog", "Frame", "Journal",
            "LogRecord", "RestoreFailed", "is_log_entry", "mapped", "scan"]
 
@@ -59,8 +61,10 @@ _PARTITION_FILE = re.compile(r"^\d+\.log(?:\.compacting)?$")
 _RESTORE_CHUNK = 5000
 _REFUSED_RETRY_S = 0.5  # a journal whose files refused a write tries again this often
 # A write is acknowledged once the journal has fetched it, and an idle fetch on Tansu
-# returns after about half its max wait, not when data arrives: this wait
-# is most of what the journal adds to a write's acknowledgement.
+# returns after about half its max wait, not when data arrives: when a fetch is in flight
+# as a write comes, this wait is most of what the journal adds to its acknowledgement. An
+# idle journal has none in flight: the publisher's acknowledged write wakes it
+# (stream.kafka.fetch_gate) and its fetch finds the write at once.
 JOURNAL_FETCH_WAIT_MS = 10
 
 log = logging.getLogger(__name__)
@@ -589,6 +593,7 @@ class Journal:
     async def _drain(self) -> bool:
         assert self._consumer is not None and self._progress is not None
         ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
+        fetch_gate.GATE.wake()  # an idle journal fetches what the broker holds now, not later
 
         def done() -> bool:
             with self._lock:

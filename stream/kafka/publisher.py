@@ -8,7 +8,9 @@ deletion written twice has the effect of one).
 
 On `serve`'s own embedded broker, whose log is kept in the data dir by a journal
 (``stream.kafka.embedded_log``), a write is acknowledged only once the journal has
-stored its offsets too (``stored``), within the same time budget.
+stored its offsets too (``stored``), within the same time budget. Every write the broker
+acknowledged wakes the process's idle consumers (``stream.kafka.fetch_gate``), the
+journal's among them, before that wait.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from aiokafka.errors import KafkaError
 from stream.config import KafkaSecurity
 from stream.core.codec import encode_event
 from stream.core.events import EndpointDeleted, EndpointsSynced, EngineEventsReported, ItemsPlaced
+from stream.kafka import fetch_gate
 from stream.kafka.clients import MAX_REQUEST_BYTES, client_options
 
 __all__ = ["EventPublisher", "LogUnavailable", "Overloaded"]
@@ -162,6 +165,7 @@ class EventPublisher:
             for key, partition, value in records
         ]
         written = await asyncio.gather(*acks)
+        fetch_gate.GATE.wake()  # this process's consumers (and journal) fetch it now
         if self.stored is not None:
             await self.stored(self.topic, [(m.partition, m.offset) for m in written])
         return len(records)

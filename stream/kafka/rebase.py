@@ -107,9 +107,8 @@ class EmbeddedCluster:
                                   value=self.rebases)
         yield GaugeMetricFamily("mmcache_embedded_rebase_in_progress", "1 while a rebase holds "
                                 "writes, else 0", value=1 if self.in_progress else 0)
-        if self.last_rebase_s is not None:
-            yield GaugeMetricFamily("mmcache_embedded_rebase_last_seconds", "How long the last "
-                                    "rebase held writes", value=self.last_rebase_s)
+        yield GaugeMetricFamily("mmcache_embedded_rebase_last_seconds", "How long the last "
+                                "rebase held writes (0: none yet)", value=self.last_rebase_s or 0.0)
 
     def appended_bytes(self) -> int:
         """Bytes written to the kept log since the broker last started with it."""

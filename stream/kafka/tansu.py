@@ -6,7 +6,9 @@ Measured deviations from Kafka and what is done here about them:
    batch holds several records, which breaks Faust's recovery. The end offsets are
    taken from a Fetch response's high watermark instead.
 2. An idle fetch is not woken when data arrives; it returns after about half its
-   max wait. Consumers' fetch wait is capped so that events reach the state fast.
+   max wait. Consumers' fetch wait is capped so that events reach the state fast. On
+   `serve`'s own broker that cap would poll all day: there ``stream.kafka.fetch_gate``
+   holds a repeated empty fetch until one of the process's writes is acknowledged.
 3. A group whose members leave (LeaveGroup) while it is forming, its leader among them,
    can keep that leader's id: every member that joins afterwards waits for a leader that
    never syncs, with no end (seen as two fenced and restarted workers given no partitions

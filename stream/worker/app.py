@@ -34,6 +34,7 @@ from stream.core.cache import CacheState
 from stream.http.api import HttpApi
 from stream.http.auth import open_token_file
 from stream.http.server import HttpServer, tls_context
+from stream.kafka import fetch_gate
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetterWriter
 from stream.kafka.log_probe import EventLogProbe
@@ -322,6 +323,8 @@ def build_worker(
         return result
 
     metrics = Metrics(state, consumer_lag)
+    if fetch_gate.installed():
+        metrics.log_fetches = lambda: fetch_gate.GATE.sent
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
     if embedded_cluster is not None:

@@ -118,7 +118,9 @@ def test_writes_to_a_frozen_broker_get_503_within_the_produce_timeout(tmp_path):
             assert answer["error"]["code"] == "log_unavailable"
             assert "may still be written" in answer["error"]["message"]
         print(f"503 after {', '.join(f'{t:.2f}' for t in timings)} s with the broker frozen")
-        assert max(timings) < 1.0 + 2.0, timings  # produce_timeout_s + margin (was 10 s)
+        # the frozen broker never answers, so each 503 is the produce timeout firing; the bound
+        # only tells it from the 10 s wait of old, with room for a busy machine
+        assert max(timings) < 1.0 + 6.0, timings
         assert service.get("/healthz")[0] == 200
         os.kill(pid, signal.SIGCONT)
         frozen = False

@@ -75,6 +75,22 @@ def test_match_scenario_measures_service_control_and_reference(bootstrap, tmp_pa
     assert {"match_cost_hits", "ingest_cost_apply"} <= by_name.keys()  # the cost breakdown
 
 
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian package) is not installed")
+def test_embedded_default_scenarios_measure_idle_cpu_freshness_and_match(bootstrap, tmp_path):
+    """serve on its own broker: idle CPU of both processes, freshness after idle, and the
+    match throughput against the bare aiohttp handler (whole figures, not a measure)."""
+    figures = {f.name: f for f in run(tmp_path / "e.json", only=["idle", "match_embedded"],
+                                      bootstrap=bootstrap, scale=0.002)}
+    idle = figures["idle_cpu_embedded"]
+    assert idle.value >= 0 and idle.passed == (idle.value <= 3) and "its broker" in idle.note
+    for name in ("freshness_after_idle_p99", "freshness_after_a_minute_idle"):
+        assert figures[name].value > 0 and figures[name].passed == (figures[name].value <= 10)
+    match = figures["match_throughput_embedded_vs_bare_aiohttp"]
+    assert match.value > 0 and match.control > 0
+    assert match.ratio == pytest.approx(match.value / match.control, rel=0.01)
+    assert match.passed == (match.ratio >= 0.5)
+
+
 def test_wrk_latency_units_are_read_as_milliseconds():
     import re
 

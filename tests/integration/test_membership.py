@@ -238,7 +238,10 @@ def test_no_answer_in_time_lets_the_batch_be_written(tmp_path):
                     await confirm_membership(member.as_consumer(), member.generation, strict=True)
             finally:
                 broker.thaw()
-            assert ANSWER_S <= took < ANSWER_S + 5, took
+            # the frozen coordinator never answers: returning at all is the wait giving up; the
+            # upper bound tells ANSWER_S from the client's request timeout (40 s), with room for
+            # a busy machine
+            assert ANSWER_S <= took < ANSWER_S + 15, took
         finally:
             await member.close()
 

@@ -316,7 +316,8 @@ def test_a_hanging_service_never_slows_the_scheduler(recorder, make_manager):
     counters = manager.reporter.counters()
     # the whole trace ran while the sender was still inside that POST: no call waited for it
     assert (counters.posts_ok, counters.posts_failed) == (0, 0)
-    assert len(scheduler.durations) > 5000 and max(scheduler.durations) < 0.5, max(scheduler.durations)
+    # and no call waited for it: each far below the POST's 10 s (room for a busy machine)
+    assert len(scheduler.durations) > 5000 and max(scheduler.durations) < 2.0, max(scheduler.durations)
     assert counters.dropped_queue_full > 0 and counters.queue_length <= 64 + 1  # + the snapshot
     assert counters.queued + counters.dropped_queue_full == 1 + scheduler.reports()  # 1: the start's cleared
     assert recorder.applied() == []

@@ -152,7 +152,7 @@ def test_a_write_to_a_hung_broker_answers_503_within_the_timeout():
     assert answer["error"]["code"] == "log_unavailable"
     assert "not acknowledge" in answer["error"]["message"]
     assert "may still be written" in answer["error"]["message"]
-    assert seconds < 0.3 + 1.0
+    assert seconds < 0.3 + 5.0  # the stand-in never answers: the bound tells the timeout from a hang
 
 
 def test_a_sync_without_metadata_answers_503_not_500():
@@ -166,7 +166,7 @@ def test_a_sync_whose_metadata_hangs_answers_503_within_the_timeout():
     api = make_api(StandInProducer(hung=True), timeout_s=0.3)
     [(status, answer, seconds)] = call(api, [("/v1/endpoint-events", {"type": "sync", "live": ["ns/a"]})])
     assert (status, answer["error"]["code"]) == (503, "log_unavailable")
-    assert seconds < 0.3 + 1.0
+    assert seconds < 0.3 + 5.0  # the stand-in never answers: the bound tells the timeout from a hang
 
 
 def test_writes_over_the_cap_get_503_at_once_without_touching_kafka():
@@ -174,10 +174,10 @@ def test_writes_over_the_cap_get_503_at_once_without_touching_kafka():
     api = make_api(producer, timeout_s=1.5, in_flight=2)
     answers = call(api, [placement(["ns/a"]), placement(["ns/b"]), placement(["ns/c"]),
                          ("/v1/endpoint-events", {"type": "deleted", "endpoint": "ns/d"})])
-    (s1, a1, _), (s2, a2, _), (s3, a3, t3), (s4, a4, t4) = answers
+    (s1, a1, t1), (s2, a2, _), (s3, a3, t3), (s4, a4, t4) = answers
     assert (s1, a1["error"]["code"]) == (503, "log_unavailable")
     assert (s2, a2["error"]["code"]) == (503, "log_unavailable")
     assert (s3, a3["error"]["code"], s4, a4["error"]["code"]) == (503, "overloaded", 503, "overloaded")
-    assert t3 < 0.5 and t4 < 0.5
+    assert t3 < t1 and t4 < t1  # answered at once: before the first ones' timeout fired
     assert [key for key, _, _ in producer.sent] == [b"ns/a", b"ns/b"]
     assert api.publisher.in_flight == 0
