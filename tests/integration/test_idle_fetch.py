@@ -62,7 +62,7 @@ def test_an_idle_serve_sends_no_fetches_and_its_own_writes_are_seen_at_once(tmp_
         reap.append(tansu_child(process.pid))
         _, text = http("GET", url + "/metrics")
         embedded_only = documented_metrics(embedded_only=True)
-        assert embedded_only == {"mmcache_log_fetch_requests_total"}
+        assert "mmcache_log_fetch_requests_total" in embedded_only
         assert all(f"# TYPE {name} " in text for name in embedded_only), text[-2000:]
         assert http("POST", url + "/v1/placements", placement(0, "ns/warm"))[0] == 202
         counted = [idle_fetches(url)]
