@@ -39,16 +39,18 @@ _ERRORS = {
     413: "Body over max_body_bytes (code body_too_large), or an event that the event log could "
          "never take, over the producer's max_request_size (code event_too_large); nothing was "
          "written",
-    503: "The event log did not acknowledge the write within produce_timeout_s (code "
-         "log_unavailable: it may still be written, retry is safe) or too many writes wait for it "
-         "(code overloaded: nothing was sent)",
+    503: "Not taken now, nothing was written: the event log did not acknowledge the write "
+         "within produce_timeout_s (code log_unavailable: it may still be written, retry is "
+         "safe), too many writes wait for it (code overloaded), the bodies in flight fill the "
+         "server's budget (code server_busy, with Retry-After), no body reader took the body in "
+         "time (code body_reader_unavailable), or the service is starting (code starting)",
 }
 
 # (method, path, summary, request model, success status, success model, error statuses, guard)
 # guard: "writes" (--auth-token-file), "match" (--match-auth-token-file) or None (always open)
 ROUTES: list[tuple[str, str, str, str | None, int, str | None, tuple[int, ...], str | None]] = [
     ("post", "/v1/match", "Score candidate endpoints by the request items they probably hold",
-     "MatchRequest", 200, "MatchResponse", (400, 413), "match"),
+     "MatchRequest", 200, "MatchResponse", (400, 413, 503), "match"),
     ("post", "/v1/placements", "Record that a request's items were sent to endpoints",
      "PlacementRequest", 202, "EventsAccepted", (400, 413, 503), "writes"),
     ("post", "/v1/endpoint-events", "Record an endpoint deletion or a sync of the live set",

@@ -53,7 +53,8 @@ def test_writes_document_their_bodies_and_every_error_answer():
         assert set(operation["responses"]) == {ok, "400", "401", "413", "503"}
         for code in ("400", "401", "413", "503"):
             assert operation["responses"][code]["content"]["application/json"]["schema"] == error
-    assert set(paths["/v1/match"]["post"]["responses"]) == {"200", "400", "401", "413"}
+    # a match is refused 503 too: the body budget (server_busy), the body readers, the start
+    assert set(paths["/v1/match"]["post"]["responses"]) == {"200", "400", "401", "413", "503"}
 
 
 def test_every_reference_resolves():
