@@ -9,7 +9,9 @@ import asyncio
 import re
 import shutil
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -145,46 +147,65 @@ def _metrics(service: Serve) -> dict[str, float]:
             re.findall(r"^([a-z_]+) ([0-9.e+-]+)$", text, re.MULTILINE)}
 
 
-def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):
-    """Killed while a rebase holds writes (its broker stopped, its log being compacted or
-    given back): every write answered 202 is there after the next start."""
-    import threading
+class _Writers:
+    """Threads placing one item at a time, each on endpoints of its own (so an endpoint's
+    writes are in the log in the order they were acknowledged); every 202 is remembered,
+    and any answer but 202 and 503 (not acknowledged) too."""
 
-    data = tmp_path / "data"
-    service = serves(data, env={"MMCACHE_EMBEDDED_REBASE_BYTES": "30000"})
-    acknowledged: list[tuple[str, str]] = []
-    stop = threading.Event()
+    def __init__(self, service: Serve, endpoint: Callable[[int, int], str], threads: int = 3) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self.acknowledged: list[tuple[str, str]] = []
+        self.unexpected: list[int] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._place, args=(w,)) for w in range(threads)]
 
-    def load(worker: int) -> None:
+    def __enter__(self) -> _Writers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+    def _place(self, worker: int) -> None:
         n = 0
-        while not stop.is_set():
-            endpoint, digest = f"ns/kill-{worker}-{n // 500}", f"w{worker}-{n}"
+        while not self.stop.is_set():
+            endpoint, digest = self.endpoint(worker, n), f"w{worker}-{n}"
             body = {"request_id": digest, "endpoints": [endpoint],
                     "items": [{"hash": digest, "size": 1, "modality": "image"}]}
             try:
-                if http("POST", service.url + "/v1/placements", body)[0] == 202:
-                    acknowledged.append((endpoint, digest))
+                status = http("POST", self.service.url + "/v1/placements", body)[0]
             except OSError:
                 return  # killed
+            if status == 202:
+                self.acknowledged.append((endpoint, digest))
+            elif status != 503:
+                self.unexpected.append(status)
             n += 1
 
-    loaders = [threading.Thread(target=load, args=(w,)) for w in range(3)]
-    for loader in loaders:
-        loader.start()
-    try:
+    def by_endpoint(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for endpoint, digest in self.acknowledged:
+            found.setdefault(endpoint, []).append(digest)
+        return found
+
+
+def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):
+    """Killed while a rebase holds writes (its broker stopped, its log being compacted or
+    given back): every write answered 202 is there after the next start."""
+    data = tmp_path / "data"
+    service = serves(data, env={"MMCACHE_EMBEDDED_REBASE_BYTES": "30000"})
+    with _Writers(service, lambda worker, n: f"ns/kill-{worker}-{n // 500}") as writers:
         eventually(lambda: _metrics(service).get("mmcache_embedded_rebase_in_progress") == 1,
                    timeout=120, interval=0.01)
         service.stop(signal.SIGKILL)
-    finally:
-        stop.set()
-        for loader in loaders:
-            loader.join()
     again = serves(data)
-    by_endpoint: dict[str, list[str]] = {}
-    for endpoint, digest in acknowledged:
-        by_endpoint.setdefault(endpoint, []).append(digest)
+    by_endpoint = writers.by_endpoint()
     # each endpoint got at most 500 placements: none evicted
-    assert all(len(hashes) < 1024 for hashes in by_endpoint.values())
+    assert all(len(hashes) < 1024 for hashes in by_endpoint.values()) and not writers.unexpected
     eventually(lambda: all(sorted(_held(again, e, h)) == sorted(h) for e, h in by_endpoint.items()),
                timeout=30)
 
@@ -351,45 +372,14 @@ def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(ser
     """A rebase (stream.kafka.rebase) under writes: each write is acknowledged (202) or
     refused (503, not acknowledged), none answered 202 is lost, through the rebases and a
     kill -9 after them."""
-    import threading
-
     data = tmp_path / "data"
     service = serves(data, "--cache-size-mb-per-server", "20",
                      env={"MMCACHE_EMBEDDED_REBASE_BYTES": "40000"})
-    acknowledged: list[tuple[str, str]] = []
-    refused: list[int] = []
-    stop = threading.Event()
-
-    def load(worker: int) -> None:
-        n = 0
-        while not stop.is_set():
-            # each loader its own endpoints: an endpoint's writes are in the log in the
-            # order they were acknowledged
-            endpoint, digest = f"ns/rebase-{worker}-{n % 2}", f"w{worker}-{n}"
-            body = {"request_id": digest, "endpoints": [endpoint],
-                    "items": [{"hash": digest, "size": 1, "modality": "image"}]}
-            status = http("POST", service.url + "/v1/placements", body)[0]
-            if status == 202:
-                acknowledged.append((endpoint, digest))
-            else:
-                assert status == 503, status
-                refused.append(status)
-            n += 1
-
-    loaders = [threading.Thread(target=load, args=(w,)) for w in range(3)]
-    for loader in loaders:
-        loader.start()
-    try:
+    with _Writers(service, lambda worker, n: f"ns/rebase-{worker}-{n % 2}") as writers:
         eventually(lambda: service.log().count("started again on its compacted log") >= 2, timeout=120)
-    finally:
-        stop.set()
-        for loader in loaders:
-            loader.join()
+    assert not writers.unexpected
     # the last 10 acknowledged placements of each endpoint are what it holds
-    last: dict[str, list[str]] = {}
-    for endpoint, digest in acknowledged:
-        last.setdefault(endpoint, []).append(digest)
-    expected = {endpoint: sorted(hashes[-10:]) for endpoint, hashes in last.items()}
+    expected = {endpoint: sorted(hashes[-10:]) for endpoint, hashes in writers.by_endpoint().items()}
 
     def held_all(target: Serve) -> bool:
         return all(sorted(_held(target, e, hashes)) == hashes for e, hashes in expected.items())

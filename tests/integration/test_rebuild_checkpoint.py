@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +29,7 @@ from stream.kafka.tansu import apply_remedies, is_tansu
 from stream.kafka.topics import CHANGELOG_TOPIC_CONFIG, changelog_topic, ensure_topic
 from stream.state.store import APPLIED_KEY, decode_applied
 from tests.integration.conftest import Service, eventually, http
-from tests.integration.test_log_compaction import Serve
+from tests.integration.test_log_compaction import Serve, serves  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
@@ -230,26 +229,6 @@ def test_rebuild_from_a_trimmed_log_and_a_compacted_changelog_gives_the_live_dig
                 new.stop(signal.SIGKILL)
 
 
-@pytest.fixture
-def serves(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Serve]]:
-    """Embedded-default serves (no --bootstrap-servers), killed at the end; their logs
-    printed when the test failed."""
-    started: list[Serve] = []
-
-    def make(data: Path, *flags: str) -> Serve:
-        service = Serve(data, tmp_path / f"serve-{len(started)}.log", *flags).start()
-        started.append(service)
-        service.wait_ready()
-        return service
-
-    yield make
-    failed = getattr(request.node, "report_call", None)
-    for service in started:
-        if failed is not None and failed.failed:
-            print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
-        if service.process is not None:
-            service.stop(signal.SIGKILL)
-
 
 def _caught_up_digest(service: Serve) -> str:
     """The digest once the view holds every event of the embedded broker's log."""
@@ -260,7 +239,7 @@ def _caught_up_digest(service: Serve) -> str:
     return service.settled_digest()
 
 
-def test_rebuild_of_the_embedded_default_after_a_restart_gives_the_live_digest(serves, tmp_path):
+def test_rebuild_of_the_embedded_default_after_a_restart_gives_the_live_digest(serves, tmp_path):  # noqa: F811
     """A restart gives the embedded broker the compacted changelog and only the events
     after the state's applied offset (``stream.kafka.log_cleaner``): `rebuild` against it
     starts each partition from the changelog's checkpoint and gives the live digest."""
