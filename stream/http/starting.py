@@ -26,6 +26,10 @@ __all__ = ["StartingServer"]
 HEAD_BYTES = 8192
 #: How long a probe connection open at the handover may still take to send its request.
 HANDOVER_GRACE_S = 5.0
+#: How long a connection may take to send its request head before it is closed.
+HEAD_TIMEOUT_S = 5.0
+#: Connections answered at once at most (a start is short; a client holding more gets closed).
+MAX_PROBES = 256
 
 _REASONS = {200: "OK", 400: "Bad Request", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
@@ -34,8 +38,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 431: "Request Header Fields Too Large
 class StartingServer:
     """Answers probes on the service's port until the API takes the sockets over."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_probes: int = MAX_PROBES, head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
         self.reason = "starting"
+        self.max_probes = max_probes
+        self.head_timeout_s = head_timeout_s
         self._sockets: list[socket.socket] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[asyncio.Transport] = set()
@@ -131,7 +137,11 @@ class _Probe(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-        self.server._connections.add(transport)
+        if len(self.server._connections) >= self.server.max_probes:
+            transport.close()  # bounded: a client cannot hold the start's port open
+            return
+        self.server._connections.add(transport)  # type: ignore[arg-type]
+        asyncio.get_running_loop().call_later(self.server.head_timeout_s, transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
