@@ -72,6 +72,11 @@ def make_api(**kwargs: object) -> HttpApi:
                    LIMITS, lambda: True, **kwargs)  # type: ignore[arg-type]
 
 
+def handed(reader: BodyReader) -> int:
+    """Bodies the reader took: waiting for a child, or held by one."""
+    return reader.queued("match") + reader.queued("write") + sum(reader._held.values())
+
+
 async def until_true(condition, timeout: float = 20.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
@@ -150,7 +155,7 @@ def test_writes_are_read_before_a_flood_of_big_matches_queued_ahead_of_them():
             matches = [asyncio.create_task(reader.read(match_query, [JUNK])) for _ in range(flood)]
             for task in matches:
                 task.add_done_callback(lambda _: order.append("match"))
-            await asyncio.sleep(0)  # each match handed to the reader (one step of each task)
+            await until_true(lambda: handed(reader) == flood)  # each match handed to the reader
             write = asyncio.create_task(reader.read(placement, [PLACEMENT]))
             write.add_done_callback(lambda _: order.append("placement"))
             await asyncio.gather(write, *matches)
@@ -178,7 +183,7 @@ def test_one_clients_bodies_take_turns_with_anothers_and_writes_go_first():
         try:
             tasks = [asyncio.create_task(ask(match_query, big_match(f"a{i}"), "10.0.0.1", f"a{i}"))
                      for i in range(5)]
-            await asyncio.sleep(0)
+            await until_true(lambda: handed(reader) == 5)  # client a's bodies before b's
             tasks += [asyncio.create_task(ask(match_query, big_match(f"b{i}"), "10.0.0.2", f"b{i}"))
                       for i in range(2)]
             tasks.append(asyncio.create_task(ask(placement, PLACEMENT, "10.0.0.3", "write")))

@@ -97,16 +97,18 @@ def test_many_tiny_chunks_do_not_hold_the_loop(frozen_heap):  # noqa: F811
     async def run() -> tuple[float, bytes]:
         async with serving(api) as (_, port):
             worst, done = 0.0, False
+            watching = asyncio.Event()
 
             async def watch() -> None:
                 nonlocal worst
+                watching.set()
                 while not done:
                     before = time.thread_time()
                     await asyncio.sleep(0.001)
                     worst = max(worst, time.thread_time() - before)
 
             watcher = asyncio.create_task(watch())
-            await asyncio.sleep(0)
+            await watching.wait()
             answers = await in_thread(exchange, port, raw)
             done = True
             await watcher
