@@ -33,11 +33,15 @@ _BROKER_LINE = re.compile(r"broker embedded on (127\.0\.0\.1:\d+)")
 
 
 class EmbeddedServe:
-    """One `mmcache serve` on its own embedded broker (no --bootstrap-servers)."""
+    """One `mmcache serve` on its own embedded broker (no --bootstrap-servers), with extra
+    flags and environment variables."""
 
-    def __init__(self, data_dir: Path, log_path: Path) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.log_path = log_path
+        self.flags = flags
+        self.env = env or {}
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -50,9 +54,17 @@ class EmbeddedServe:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--data-dir", str(self.data_dir)],
-                stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": REPO}, **popen)
+                 "--port", str(self.port), "--data-dir", str(self.data_dir), *self.flags],
+                stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env, "PYTHONPATH": REPO},
+                **popen)
         return self
+
+    def probe(self, path: str) -> tuple[int, Any] | None:
+        """``GET path``, or None while nothing answers on the port."""
+        try:
+            return http("GET", self.url + path)
+        except OSError:
+            return None
 
     def wait_ready(self) -> None:
         def ready() -> bool:
@@ -97,14 +109,17 @@ class EmbeddedServe:
 
 
 @pytest.fixture
-def serve(tmp_path: Path, request: pytest.FixtureRequest):
-    """Factory of embedded serves on one data dir; killed at the end, logs shown on failure."""
+def serves(tmp_path: Path, request: pytest.FixtureRequest):
+    """Factory of embedded serves (a data dir, flags, environment; ready unless ``wait`` is
+    false); killed at the end, their logs shown on failure."""
     started: list[EmbeddedServe] = []
 
-    def make() -> EmbeddedServe:
-        service = EmbeddedServe(tmp_path / "data", tmp_path / f"serve-{len(started)}.log")
-        started.append(service.start())
-        service.wait_ready()
+    def make(data: Path, *flags: str, wait: bool = True,
+             env: dict[str, str] | None = None) -> EmbeddedServe:
+        service = EmbeddedServe(data, tmp_path / f"serve-{len(started)}.log", *flags, env=env).start()
+        started.append(service)
+        if wait:
+            service.wait_ready()
         return service
 
     yield make
@@ -114,6 +129,12 @@ def serve(tmp_path: Path, request: pytest.FixtureRequest):
             print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
         if service.process is not None:
             service.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def serve(serves, tmp_path: Path):
+    """Factory of embedded serves on one data dir."""
+    return lambda: serves(tmp_path / "data")
 
 
 def _endpoint(i: int) -> str:

@@ -31,7 +31,8 @@ from stream.kafka.tansu import apply_remedies
 from stream.kafka.topics import ensure_topic
 from stream.state.store import applied_at, encode_applied, encode_entry, entry_key
 from tests.integration.conftest import READY_TIMEOUT_S, eventually, http
-from tests.integration.test_embedded_log import EmbeddedServe
+from tests.integration.test_embedded_log import EmbeddedServe as Serve
+from tests.integration.test_embedded_log import serves  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
@@ -70,58 +71,6 @@ def test_the_broker_keeps_each_record_at_its_own_offset_gaps_and_all():
         read, end = asyncio.run(_written_and_read(broker.bootstrap_servers, offsets))
     assert read == offsets
     assert end == 1004
-
-
-class Serve(EmbeddedServe):
-    """An embedded serve with extra flags."""
-
-    def __init__(self, data_dir: Path, log_path: Path, *flags: str,
-                 env: dict[str, str] | None = None) -> None:
-        super().__init__(data_dir, log_path)
-        self.flags = flags
-        self.env = env or {}
-
-    def start(self, **popen):  # type: ignore[no-untyped-def]
-        import os
-        import subprocess
-        import sys
-
-        from tests.integration.test_embedded_log import REPO
-
-        env = {k: v for k, v in os.environ.items() if k != "MMCACHE_BOOTSTRAP_SERVERS"}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--data-dir", str(self.data_dir), *self.flags],
-                stdout=log, stderr=subprocess.STDOUT, env={**env, **self.env, "PYTHONPATH": REPO},
-                **popen)
-        return self
-
-    def probe(self, path: str) -> tuple[int, dict] | None:
-        try:
-            return http("GET", self.url + path)
-        except OSError:
-            return None
-
-
-@pytest.fixture
-def serves(tmp_path: Path, request: pytest.FixtureRequest):
-    started: list[Serve] = []
-
-    def make(data: Path, *flags: str, wait: bool = True, env: dict[str, str] | None = None) -> Serve:
-        service = Serve(data, tmp_path / f"serve-{len(started)}.log", *flags, env=env).start()
-        started.append(service)
-        if wait:
-            service.wait_ready()
-        return service
-
-    yield make
-    failed = getattr(request.node, "report_call", None)
-    for service in started:
-        if failed is not None and failed.failed:
-            print(f"--- end of {service.log_path.name} ---\n{service.tail()}")
-        if service.process is not None:
-            service.stop(signal.SIGKILL)
 
 
 def _place(service: Serve, endpoint: str, digest: str) -> None:
@@ -193,7 +142,7 @@ class _Writers:
         return found
 
 
-def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):
+def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):  # noqa: F811
     """Killed while a rebase holds writes (its broker stopped, its log being compacted or
     given back): every write answered 202 is there after the next start."""
     data = tmp_path / "data"
@@ -225,7 +174,7 @@ def _records(log: EmbeddedLog, topic: str) -> int:
     return sum(len(log.records(topic, p)) for p in range(PARTITIONS))
 
 
-def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(serves, tmp_path):
+def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(serves, tmp_path):  # noqa: F811
     data = tmp_path / "data"
     small = ("--cache-size-mb-per-server", "20")  # 10 entries an endpoint: evictions, tombstones
     first = serves(data, *small)
@@ -259,7 +208,7 @@ def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(se
     eventually(lambda: third.settled_digest() == after, timeout=30)
 
 
-def test_retention_drops_old_events_from_disk_and_the_state_stays(serves, tmp_path):
+def test_retention_drops_old_events_from_disk_and_the_state_stays(serves, tmp_path):  # noqa: F811
     data = tmp_path / "data"
     first = serves(data)
     for i in range(200):
@@ -315,7 +264,7 @@ def _synthetic_history(data: Path, entries_per_partition: int) -> None:
         snapshot.unlink()
 
 
-def _history_dir(serves, tmp_path: Path, entries_per_partition: int) -> Path:
+def _history_dir(serves, tmp_path: Path, entries_per_partition: int) -> Path:  # noqa: F811
     data = tmp_path / "history"
     first = serves(data)
     for i in range(64):
@@ -325,7 +274,7 @@ def _history_dir(serves, tmp_path: Path, entries_per_partition: int) -> Path:
     return data
 
 
-def test_the_port_answers_probes_from_the_start_and_readyz_says_why(serves, tmp_path):
+def test_the_port_answers_probes_from_the_start_and_readyz_says_why(serves, tmp_path):  # noqa: F811
     data = _history_dir(serves, tmp_path, 20_000)
     service = serves(data, wait=False)
     seen: list[tuple[int, int, str]] = []
@@ -346,7 +295,7 @@ def test_the_port_answers_probes_from_the_start_and_readyz_says_why(serves, tmp_
 
 
 @pytest.mark.parametrize("phase", ["compacting", "restoring"])
-def test_a_kill_9_while_compacting_or_restoring_loses_nothing(serves, tmp_path, phase):
+def test_a_kill_9_while_compacting_or_restoring_loses_nothing(serves, tmp_path, phase):  # noqa: F811
     data = _history_dir(serves, tmp_path, 20_000)
     control = tmp_path / "control"
     shutil.copytree(data, control)
@@ -368,7 +317,7 @@ def test_a_kill_9_while_compacting_or_restoring_loses_nothing(serves, tmp_path, 
     assert again.settled_digest() == digest, time.monotonic() - started
 
 
-def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(serves, tmp_path):
+def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(serves, tmp_path):  # noqa: F811
     """A rebase (stream.kafka.rebase) under writes: each write is acknowledged (202) or
     refused (503, not acknowledged), none answered 202 is lost, through the rebases and a
     kill -9 after them."""
