@@ -9,15 +9,7 @@ import socket
 import orjson
 
 from stream.http.starting import StartingServer
-
-
-def _ask(port: int, raw: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(raw)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-        return answer
+from tests.unit.test_http_server_limits import exchange
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
@@ -34,7 +26,7 @@ def test_probes_get_alive_and_not_ready_with_the_reason():
         port = await server.start("127.0.0.1", 0)
         server.reason = "compacting the embedded broker's kept log"
         try:
-            return tuple(await asyncio.gather(*(asyncio.to_thread(_ask, port, raw) for raw in (
+            return tuple(await asyncio.gather(*(asyncio.to_thread(exchange, port, raw) for raw in (
                 b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
                 b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n",
                 b"POST /v1/match HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"))))  # type: ignore[return-value]
