@@ -29,9 +29,12 @@ broker: $(STAMP)
 	$(BIN)/mmcache broker
 
 # wrk (Debian package) drives the HTTP benchmarks and their test; redis-server (Debian
-# package, with redis-benchmark) is the match benchmark's Redis control. Installed when missing.
+# package, with redis-benchmark) is the match benchmark's Redis control; promtool (Debian's
+# prometheus package, without its recommends) runs the alert rules' unit tests
+# (deploy/prometheus/alerts.test.yaml). Installed when missing.
 WRK := $(shell command -v wrk 2>/dev/null)
 REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
+PROMTOOL := $(shell command -v promtool 2>/dev/null)
 
 tools:
 ifeq ($(WRK),)
@@ -40,6 +43,19 @@ endif
 ifeq ($(REDIS_SERVER),)
 	-(apt-get install -y -qq redis-server >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1)) || echo "redis-server not installed: the match benchmark's Redis controls need it"
 endif
+ifeq ($(PROMTOOL),)
+	-(apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1)) || echo "promtool not installed (Debian's prometheus, needs root): the alert rules' test will fail"
+endif
+
+# Checkov, the policy checker the Kubernetes manifests must pass (tests/integration/
+# test_manifests.py), in a virtual environment of its own: its pins (packaging<24, and
+# botocore's python-dateutil<3) would downgrade the project's own dependencies in .venv.
+CHECKOV_VENV := .venv-checkov
+CHECKOV := $(CHECKOV_VENV)/bin/checkov
+
+$(CHECKOV):
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet 'checkov==3.3.30'
 
 # Go (Debian's golang-go, standard library only) builds and tests the Go client in
 # clients/go, whose tests run against a live serve (tests/integration/test_go_client.py).
@@ -63,7 +79,7 @@ vllm-wheel: $(STAMP)
 
 # Both parts always run (the `alone` part too when the parallel part failed), each says how
 # it went, and the target fails if either did (.ci/run runs `make test`).
-test: $(STAMP) tools golang vllm-wheel
+test: $(STAMP) tools golang vllm-wheel $(CHECKOV)
 	@$(BIN)/python -m pytest -q $(XDIST) -m "not alone"; parallel=$$?; \
 	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
 	echo "make test: parallel part exit $$parallel, alone part exit $$alone"; \
@@ -73,7 +89,7 @@ test: $(STAMP) tools golang vllm-wheel
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
-integration: $(STAMP)
+integration: $(STAMP) $(CHECKOV)
 	@$(BIN)/python -m pytest -q $(XDIST) -m "not alone" tests/integration; parallel=$$?; \
 	$(BIN)/python -m pytest -q -m alone tests/integration; alone=$$?; \
 	echo "make integration: parallel part exit $$parallel, alone part exit $$alone"; \
@@ -86,7 +102,7 @@ schemas: $(STAMP)
 	$(BIN)/python -m stream.http.schemas
 
 clean:
-	rm -rf $(VENV) .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
+	rm -rf $(VENV) $(CHECKOV_VENV) .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
 
 bench: $(STAMP) tools
 	$(BIN)/mmcache bench $(if $(QUICK),--quick)

@@ -208,11 +208,17 @@ class Metrics:
         for (route, status), count in sorted(self._requests.items()):
             requests.add_metric([route, str(status)], count)
         lag = GaugeMetricFamily(
-            "mmcache_consumer_lag", "Events on the log not yet applied, by owned partition",
+            "mmcache_consumer_lag_events", "Events on the log not yet applied, by owned partition",
             labels=["partition"]
+        )
+        # the same figure under its name before it said its unit, kept for one release
+        old_lag = GaugeMetricFamily(
+            "mmcache_consumer_lag", "Deprecated: mmcache_consumer_lag_events under its old name, "
+            "removed in the next release", labels=["partition"]
         )
         for partition, behind in sorted(self._lag().items()):
             lag.add_metric([str(partition)], behind)
+            old_lag.add_metric([str(partition)], behind)
         checks = CounterMetricFamily(
             "mmcache_estimate_checks", "Requested items of match requests, for each endpoint that "
             "reports its own cache: what the estimate (LRU) predicted against what the engine view "
@@ -225,6 +231,7 @@ class Metrics:
         yield checks
         yield requests
         yield lag
+        yield old_lag
         if self.http_server is not None:
             yield from _http_server_families(self.http_server)
         if self.readiness is not None:

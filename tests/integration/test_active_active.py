@@ -26,7 +26,7 @@ def by_partition(service: Service, metric: str) -> dict[int, float]:
 
 def owned(service: Service) -> set[int]:
     """The event topic partitions Faust assigned to the worker (its consumer lag's labels)."""
-    return set(by_partition(service, "mmcache_consumer_lag"))
+    return set(by_partition(service, "mmcache_consumer_lag_events"))
 
 
 def settled(first: Service, second: Service) -> tuple[set[int], set[int]] | None:

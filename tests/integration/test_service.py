@@ -187,7 +187,7 @@ def test_metrics_name_the_contract_series(service: Service) -> None:
     assert f'encoder_cache_hits_total{{modality="video",pod="{pod}"}} 1.0' in text
     assert "encoder_cache_hit_ratio_bucket" in text
     assert 'mmcache_events_processed_total{type="items_placed"}' in text
-    assert "mmcache_consumer_lag{" in text
+    assert "mmcache_consumer_lag_events{" in text
     assert 'mmcache_http_request_duration_seconds_count{route="/v1/match"}' in text
 
 

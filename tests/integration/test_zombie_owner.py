@@ -61,7 +61,7 @@ def _owned(service: Service) -> set[int]:
         text = service.get("/metrics")[1]
     except OSError:
         return set()
-    return {int(p) for name, p, _ in _SAMPLE.findall(text) if name == "mmcache_consumer_lag"}
+    return {int(p) for name, p, _ in _SAMPLE.findall(text) if name == "mmcache_consumer_lag_events"}
 
 
 def _split(first: Service, second: Service) -> bool:

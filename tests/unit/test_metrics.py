@@ -138,14 +138,24 @@ def test_consumer_lag_shows_what_the_lag_callable_returns(state):
     lag = {3: 17, 0: 0}
     metrics = Metrics(state, lambda: dict(lag))
     samples = scrape(metrics)
-    assert value(samples, "mmcache_consumer_lag", partition="3") == 17
-    assert value(samples, "mmcache_consumer_lag", partition="0") == 0
-    assert len(names(samples, "mmcache_consumer_lag")) == 2
+    assert value(samples, "mmcache_consumer_lag_events", partition="3") == 17
+    assert value(samples, "mmcache_consumer_lag_events", partition="0") == 0
+    assert len(names(samples, "mmcache_consumer_lag_events")) == 2
     lag.clear()
     lag[3] = 2
     samples = scrape(metrics)  # read at scrape time
-    assert value(samples, "mmcache_consumer_lag", partition="3") == 2
-    assert value(samples, "mmcache_consumer_lag", partition="0") is None
+    assert value(samples, "mmcache_consumer_lag_events", partition="3") == 2
+    assert value(samples, "mmcache_consumer_lag_events", partition="0") is None
+
+
+def test_consumer_lag_keeps_its_old_name_for_one_release_with_the_same_values(state):
+    metrics = Metrics(state, lambda: {3: 17, 0: 0})
+    samples = scrape(metrics)
+    def by_partition(name: str) -> dict[str, float]:
+        return {dict(labels)["partition"]: v for (n, labels), v in samples.items() if n == name}
+
+    assert by_partition("mmcache_consumer_lag") == by_partition("mmcache_consumer_lag_events") == {
+        "3": 17, "0": 0}
 
 
 def test_endpoints_and_entries_gauges_follow_the_state(metrics, state):
