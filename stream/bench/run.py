@@ -113,6 +113,12 @@ def _big_bodies(bootstrap: str, quick: bool, scale: float | None) -> list[Figure
     return big_body_figures(bootstrap, 2 if scale else 5 if quick else 15, 1 if quick or scale else 3)
 
 
+def _reader_memory(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.reader_memory import reader_memory_figures
+
+    return reader_memory_figures()  # no broker: one body reader's work in a process of its own
+
+
 def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.soak import soak_figures
 
@@ -131,6 +137,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "scale3": _scale3,
     "big_bodies": _big_bodies,
     "soak": _soak,
+    "reader_memory": _reader_memory,
     "idle": _idle,
     "match_embedded": _match_embedded,
 }

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 import yaml
 
 from stream.cli import _parser, _settings
-from stream.config import Settings
+from stream.config import Limits, Settings
 from stream.http.auth import refuse_open_writes
 from tests.integration.conftest import Service, eventually
 
@@ -265,3 +267,245 @@ def test_every_metric_the_dashboard_and_rules_use_is_exported_by_serve(service: 
     assert used - exported == set()
     assert {"mmcache_dead_letters_total", "mmcache_view_lag_events",
             "process_resident_memory_bytes"} <= used
+
+
+# --- Pod Security "restricted", the policy checker, and the rendered kustomizations ---
+
+#: Checkov's checks of what the Pod Security "restricted" level (and a read-only root)
+#: asks of a pod: each must pass on the StatefulSet, not merely be absent from the failures.
+RESTRICTED_CHECKS = {
+    "CKV_K8S_16": "not privileged", "CKV_K8S_17": "no host PID", "CKV_K8S_18": "no host IPC",
+    "CKV_K8S_19": "no host network", "CKV_K8S_20": "allowPrivilegeEscalation: false",
+    "CKV_K8S_22": "read-only root filesystem", "CKV_K8S_23": "runAsNonRoot",
+    "CKV_K8S_25": "no added capabilities", "CKV_K8S_26": "no host port",
+    "CKV_K8S_28": "NET_RAW dropped", "CKV_K8S_29": "pod security context",
+    "CKV_K8S_30": "container security context", "CKV_K8S_31": "seccomp RuntimeDefault",
+    "CKV_K8S_37": "all capabilities dropped", "CKV_K8S_38": "no service account token",
+    "CKV_K8S_39": "no SYS_ADMIN", "CKV_K8S_40": "a high UID",
+}
+#: Checks of other policies that the manifests fail on purpose, and why.
+WAIVED_CHECKS = {
+    "CKV_K8S_11": "no CPU limit: throttling would show as match latency (requests reserve a core)",
+    "CKV_K8S_15": "IfNotPresent with a fixed tag from kustomization.yaml's images:",
+    "CKV_K8S_35": "the Kafka security settings are environment variables by their contract "
+                  "names (MMCACHE_KAFKA_*), from a Secret, never logged",
+    "CKV_K8S_43": "the digest is the operator's, after they push the image (images: digest)",
+}
+#: Failures of the files as they are that kustomization.yaml resolves when it renders them.
+RAW_ONLY_CHECKS = {
+    "CKV_K8S_21": "kustomization.yaml's namespace: sets it",
+    "CKV_K8S_14": "kustomization.yaml's images: sets the tag",
+}
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+
+
+def _checkov(target: Path) -> dict[str, Any]:
+    """Checkov's Kubernetes checks on a directory or a file, as JSON."""
+    binary = ROOT / ".venv-checkov" / "bin" / "checkov"
+    if not binary.exists():
+        pytest.fail("checkov is not installed: `make .venv-checkov/bin/checkov` (make test does it)")
+    flag = "-d" if target.is_dir() else "-f"
+    result = subprocess.run([str(binary), flag, str(target), "--framework", "kubernetes", "-o", "json",
+                             "--skip-download"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
+    report = json.loads(result.stdout)
+    assert report["summary"]["parsing_errors"] == 0, report["summary"]
+    return report
+
+
+def _policy_failures(report: dict[str, Any]) -> dict[str, set[str]]:
+    failures: dict[str, set[str]] = {}
+    for check in report["results"]["failed_checks"]:
+        failures.setdefault(check["check_id"], set()).add(check["resource"])
+    return failures
+
+
+def _restricted_passed(report: dict[str, Any]) -> set[str]:
+    return {check["check_id"] for check in report["results"]["passed_checks"]
+            if check["resource"].startswith("StatefulSet.") and check["check_id"] in RESTRICTED_CHECKS}
+
+
+def test_manifests_pass_the_restricted_level_checks_of_a_policy_checker():
+    report = _checkov(KUBE)
+    assert _restricted_passed(report) == set(RESTRICTED_CHECKS)
+    failed = _policy_failures(report)
+    assert set(failed) - set(WAIVED_CHECKS) - set(RAW_ONLY_CHECKS) == set(), failed
+
+
+def _kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.skip("kubectl is not installed: the kustomizations are not rendered here (checkov "
+                    "still checks the files, test_manifests_pass_the_restricted_level_checks_...)")
+    return found
+
+
+def _render(kubectl: str, directory: Path) -> list[dict[str, Any]]:
+    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_rendered_kustomizations_pass_the_policy_checks_in_their_namespace_with_one_image(tmp_path):
+    kubectl = _kubectl()
+    (kustomization,) = _documents(KUBE / "kustomization.yaml")
+    namespace = kustomization["namespace"]
+    (image,) = kustomization["images"]
+    assert _container()["image"] == image["name"]  # the file names the image only by its name
+    assert image["newTag"] not in ("", "latest")
+    for directory in (KUBE, PROMETHEUS / "operator"):
+        docs = _render(kubectl, directory)
+        for doc in docs:
+            if doc["kind"] != "Namespace":
+                assert doc["metadata"]["namespace"] == namespace, doc["metadata"]
+        (ns,) = [doc for doc in docs if doc["kind"] == "Namespace"]
+        assert ns["metadata"]["name"] == namespace
+        assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+        (sts,) = [doc for doc in docs if doc["kind"] == "StatefulSet"]
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        assert container["image"] == f"{image['newName']}:{image['newTag']}"
+        rendered = tmp_path / f"{directory.name}.yaml"
+        rendered.write_text(yaml.safe_dump_all(docs))
+        report = _checkov(rendered)
+        assert _restricted_passed(report) == set(RESTRICTED_CHECKS)
+        failed = _policy_failures(report)
+        assert set(failed) - set(WAIVED_CHECKS) == set(), failed
+    kinds = {doc["kind"] for doc in _render(kubectl, PROMETHEUS / "operator")}
+    assert {"ServiceMonitor", "PrometheusRule", "StatefulSet", "NetworkPolicy"} <= kinds
+
+
+def test_every_path_the_container_writes_is_a_volume_and_the_rest_is_read_only():
+    container, pod = _container(), _statefulset()["spec"]["template"]["spec"]
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"] and "add" not in security["capabilities"]
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    config = {k: v for doc in _kube()["ConfigMap"] for k, v in doc["data"].items()}
+    writable = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    assert set(writable) == {config["MMCACHE_DATA_DIR"], env["TMPDIR"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[writable[env["TMPDIR"]]]
+
+
+def _figures() -> dict[str, dict[str, Any]]:
+    return {f["name"]: f for f in json.loads((ROOT / "bench" / "results.json").read_text())["figures"]}
+
+
+def _scale3_bytes_per_entry() -> tuple[float, float]:
+    """A worker's RSS per view entry at the three-worker scale run (bench/results.json):
+    the largest RSS of a worker over its entries (the process's own memory included, so an
+    upper bound at that size), and its start's peak over that RSS."""
+    rss = _figures()["scale3_worker_rss_max"]
+    assert rss["unit"] == "MiB"
+    entries = int(re.search(r"([\d,]+) entries", rss["note"]).group(1).replace(",", ""))
+    peaks = [float(p) for p in re.findall(r"peak ([\d.]+)", rss["note"])]
+    return rss["value"] * 2**20 / entries, max(peaks) / rss["value"]
+
+
+def test_memory_requests_and_limits_hold_the_view_the_config_allows(monkeypatch):
+    """docs/kubernetes.md "Sizing": request >= endpoints x entries x bytes an entry; limit
+    >= the start's peak over that, plus each body reader's worst body and the bodies in flight."""
+    per_entry, peak = _scale3_bytes_per_entry()
+    readers = max(_figures()[name]["value"] for name in ("body_reader_rss_peak_match",
+                                                        "body_reader_rss_peak_write")) * 2**20
+    container = _container()
+    config = {k: v for doc in _kube()["ConfigMap"] for k, v in doc["data"].items()}
+    settings = _serve_settings(monkeypatch, container["args"], {**_image_env(), **config})
+    fields = {f"MMCACHE_{name.upper()}" for name in [*Settings.model_fields, *Limits.model_fields]}
+    assert set(config) <= fields  # every key is a setting serve reads
+    limits_of = settings.limits
+    view = limits_of.max_total_endpoints * settings.capacity.per_endpoint * per_entry
+    requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+    assert settings.body_readers is not None  # not one per core of whatever node it lands on
+    assert _memory_bytes(requests["memory"]) >= view
+    assert (_memory_bytes(limits["memory"])
+            >= peak * view + settings.body_readers * readers + limits_of.body_budget)
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert f"{per_entry:.0f} B an entry" in doc
+    assert f"MMCACHE_MAX_TOTAL_ENDPOINTS={limits_of.max_total_endpoints:,}" in doc
+
+
+def test_network_policy_lets_in_the_api_port_and_out_only_kafka_and_dns():
+    (policy,) = _kube()["NetworkPolicy"]
+    labels = _statefulset()["spec"]["template"]["metadata"]["labels"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+    (ingress,) = spec["ingress"]
+    assert [p["port"] for p in ingress["ports"]] == ["http"]  # the container's port, by name
+    sources = {peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+               for peer in ingress["from"]}
+    assert sources == {"gateway", "vllm", "monitoring"}
+    config = {k: v for doc in _kube()["ConfigMap"] for k, v in doc["data"].items()}
+    host, port = config["MMCACHE_BOOTSTRAP_SERVERS"].split(",")[0].rsplit(":", 1)
+    kafka, dns = spec["egress"]
+    assert host.split(".")[1] == kafka["to"][0]["namespaceSelector"]["matchLabels"][
+        "kubernetes.io/metadata.name"]  # kafka-bootstrap.<namespace>.svc
+    assert int(port) in {p["port"] for p in kafka["ports"]}
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+
+
+def _rule_selectors() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yaml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"] if re.search(r"\bup\{", r["expr"])]
+
+
+def test_alerts_on_up_key_on_the_pod_label_the_manifests_set_and_every_scrape_carries_it():
+    labels = _statefulset()["spec"]["template"]["metadata"]["labels"]
+    exprs = _rule_selectors()
+    assert exprs  # a worker that is down is alerted on
+    for expr in exprs:
+        for name, value in re.findall(r'(\w+)="([^"]*)"', expr):
+            # a pod label as Prometheus carries it: every character not [a-zA-Z0-9_] as _
+            assert {re.sub(r"\W", "_", k): v for k, v in labels.items()}.get(name) == value, expr
+    # the ServiceMonitor carries that pod label and honours the metrics' own `pod`
+    (monitor,) = _documents(PROMETHEUS / "operator" / "servicemonitor.yaml")
+    assert set(labels) & set(monitor["spec"]["podTargetLabels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
+    services = {s["metadata"]["name"]: s for s in _kube()["Service"]}
+    selected = [name for name, s in services.items()
+                if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert selected == [_statefulset()["spec"]["serviceName"]]  # each worker scraped once
+    assert endpoint["port"] in {p["name"] for p in services[selected[0]]["spec"]["ports"]}
+    # the plain scrape job: keeps the workers by that label, maps pod labels, honours `pod`
+    (job,) = yaml.safe_load((PROMETHEUS / "scrape.yaml").read_text())["scrape_configs"]
+    assert job["honor_labels"] is True
+    relabels = job["relabel_configs"]
+    keep = relabels[0]
+    assert keep["action"] == "keep" and keep["regex"] == labels["app.kubernetes.io/name"]
+    assert keep["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
+    assert {"action": "labelmap", "regex": "__meta_kubernetes_pod_label_(.+)"} in relabels
+
+
+def test_prometheus_rule_object_holds_the_rule_files_groups_in_the_base_namespace():
+    (rule,) = _documents(PROMETHEUS / "operator" / "prometheusrule.yaml")
+    assert rule["spec"]["groups"] == yaml.safe_load((PROMETHEUS / "alerts.yaml").read_text())["groups"]
+    (overlay,) = _documents(PROMETHEUS / "operator" / "kustomization.yaml")
+    (base,) = _documents(KUBE / "kustomization.yaml")
+    assert overlay["namespace"] == base["namespace"]
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool is not installed: `make tools` installs it (Debian's prometheus "
+                    "package, as root), or apt-get install --no-install-recommends prometheus")
+    return found
+
+
+def test_every_alert_rule_fires_in_its_promtool_unit_test():
+    promtool = _promtool()
+    for args in (["check", "rules", "alerts.yaml"], ["test", "rules", "alerts.test.yaml"]):
+        result = subprocess.run([promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True,
+                                timeout=120, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yaml").read_text())
+    names = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    tests = yaml.safe_load((PROMETHEUS / "alerts.test.yaml").read_text())["tests"]
+    fired = {case["alertname"] for test in tests for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert fired == names  # each rule is shown firing, not only parsed
