@@ -72,3 +72,45 @@ def test_go_client_passes_its_tests_against_a_live_serve(make_service, tmp_path)
     passed = set(re.findall(r"^--- PASS: (Test\w+)", output, re.MULTILINE))
     assert names <= passed, f"not passed: {sorted(names - passed)}\n{output[-4000:]}"
     assert "--- SKIP" not in output, output[-4000:]
+
+
+EXAMPLE = CLIENT_DIR / "examples" / "placeandmatch" / "main.go"
+GATEWAY_DOC = CLIENT_DIR.parents[1] / "docs" / "gateway.md"
+
+
+def _documented_example() -> tuple[str, list[str], list[str]]:
+    """docs/gateway.md's "The Go client": its go block, the shell lines that make a fresh
+    module, and the output it shows for `go run .`."""
+    section = GATEWAY_DOC.read_text().split("## The Go client\n", 1)[1]
+    setup = re.search(r"```sh\n(mkdir mygateway.*?)```", section, re.S).group(1)
+    code = re.search(r"```go\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"```sh\n\$ MMCACHE_URL=\S+ go run \.\n(.*?)```", section, re.S).group(1)
+    commands = [" ".join(line.rstrip("\\").split()) for line in setup.replace("\\\n", " ").splitlines()]
+    return code, commands, shown.splitlines()
+
+
+def test_the_docs_show_the_example_program_as_it_is():
+    code, _, _ = _documented_example()
+    assert code == EXAMPLE.read_text()
+
+
+def test_the_go_example_runs_from_a_fresh_module_as_the_docs_say_against_a_live_serve(make_service, tmp_path):
+    go = go_binary()
+    tokens = tmp_path / "tokens"
+    tokens.write_text("example-write-token\n")
+    service = make_service(env={"MMCACHE_AUTH_TOKEN_FILE": str(tokens)})
+    env = {**go_env(tmp_path), "MMCACHE_URL": service.url, "MMCACHE_TOKEN": "example-write-token"}
+    _, commands, shown = _documented_example()
+    assert commands[:2] == ["mkdir mygateway && cd mygateway", "go mod init example.com/mygateway"]
+    module = tmp_path / "mygateway"
+    module.mkdir()
+    for command in commands[1:]:  # the docs' own commands, with this checkout for /path/to/mmcache
+        args = command.replace("/path/to/mmcache/clients/go", str(CLIENT_DIR)).split()
+        subprocess.run([go, *args[1:]], cwd=module, env=env, check=True, timeout=GO_TEST_TIMEOUT_S)
+    (module / "main.go").write_text(EXAMPLE.read_text())
+
+    result = subprocess.run([go, "run", "."], cwd=module, env=env, capture_output=True, text=True,
+                            timeout=GO_TEST_TIMEOUT_S)
+
+    assert result.returncode == 0, result.stderr[-4000:] + "\n--- service log ---\n" + service.tail()
+    assert result.stdout.splitlines() == shown
