@@ -140,11 +140,22 @@ def _rebuild(args: argparse.Namespace) -> None:
 
 
 def _state_digest(args: argparse.Namespace) -> None:
-    from stream.state.datadir import DataDir
+    from stream.state.datadir import DataDir, load_partitions
 
-    if not args.data_dir.is_dir():
-        raise SystemExit(f"--data-dir {args.data_dir}: no such directory")
-    print(DataDir(args.data_dir).load_state().digest())
+    for path in args.data_dir:
+        if not path.is_dir():
+            raise SystemExit(f"--data-dir {path}: no such directory")
+    dirs = [DataDir(path) for path in args.data_dir]
+    state, chosen = load_partitions(dirs)
+    topic = dirs[0].read_identity()["topic"]
+    held = ", ".join(f"{partition} ({datadir.root})" for partition, datadir in sorted(chosen.items()))
+    # what the digest covers, on stderr: stdout stays the digest alone, for scripts
+    print(f"digest of {topic} partitions {held or 'none: no partition file'}, as their files "
+          f"hold them. GET /v1/state digests a worker's whole view, every partition of the topic "
+          f"(its own and those it follows): the two are equal when these are all of them (one "
+          f"worker, or every worker's --data-dir), stopped after applying the log's end.",
+          file=sys.stderr)
+    print(state.digest())
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -319,11 +330,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     state = commands.add_parser("state", help="inspect a stopped worker's state")
     state_commands = state.add_subparsers(dest="state_command", required=True, metavar="COMMAND")
-    digest = state_commands.add_parser("digest", help="print the state digest of a data dir",
-                                       description="Print the state digest of a stopped worker's "
-                                       "data dir (as GET /v1/state reports it).")
-    digest.add_argument("--data-dir", type=Path, required=True, metavar="DIR",
-                        help="the data dir (required)")
+    digest = state_commands.add_parser(
+        "digest", help="print the state digest of stopped workers' data dirs",
+        description="Print the state digest of the partitions stopped workers' data dirs hold "
+        "files of (a worker's own partitions; stderr names them). GET /v1/state digests a "
+        "worker's whole view, every partition: give every worker's data dir for that digest.")
+    digest.add_argument("--data-dir", type=Path, required=True, metavar="DIR", action="append",
+                        help="a worker's data dir (required; repeat it for each worker of one app)")
     _add_debug(digest)
     digest.set_defaults(run=_state_digest)
     if command in _SERVICE_COMMANDS:

@@ -408,13 +408,34 @@ class DataDir:
         return None if raw is None else int(raw)
 
     def load_state(self) -> CacheState:
-        """Read a stopped worker's whole state (for digests and checks)."""
-        identity = self.read_identity()
-        state = CacheState(Capacity(*identity["capacity"]), identity[_BOUND_KEY])
-        for partition in self.partitions():
-            db = self.open_partition(partition, read_only=True)
-            try:
-                load_partition(state, partition, db.items())
-            finally:
-                db.close()
-        return state
+        """Read the state of the partitions this stopped worker has files of (for digests
+        and checks): a worker's own partitions, not the ones it followed."""
+        return load_partitions([self])[0]
+
+
+def load_partitions(dirs: list[DataDir]) -> tuple[CacheState, dict[int, DataDir]]:
+    """The state of every partition that the stopped workers' ``dirs`` hold a file of, each
+    partition from the dir whose file is furthest along the changelog (a worker keeps the
+    file of a partition it lost, behind the file of the worker that took it over), and
+    which dir each came from. The dirs must hold one app's state."""
+    identity = dirs[0].read_identity()
+    for other in dirs[1:]:
+        if (found := other.read_identity()) != identity:
+            raise StateMismatch(f"{other.root} holds state for {found}, {dirs[0].root} for {identity}: "
+                                f"give data dirs of one app")
+    chosen: dict[int, DataDir] = {}
+    furthest: dict[int, int] = {}
+    for datadir in dirs:
+        for partition in datadir.partitions():
+            offset = datadir.table_offset(partition)
+            offset = -1 if offset is None else offset
+            if partition not in chosen or offset > furthest[partition]:
+                chosen[partition], furthest[partition] = datadir, offset
+    state = CacheState(Capacity(*identity["capacity"]), identity[_BOUND_KEY])
+    for partition, datadir in sorted(chosen.items()):
+        db = datadir.open_partition(partition, read_only=True)
+        try:
+            load_partition(state, partition, db.items())
+        finally:
+            db.close()
+    return state, chosen
