@@ -109,12 +109,14 @@ class Service:
     """One `mmcache serve` child process."""
 
     def __init__(self, bootstrap: str, data_dir: Path, app_id: str, extra: list[str],
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], wrapper: list[str] | None = None) -> None:
         self.bootstrap = bootstrap
         self.data_dir = data_dir
         self.app_id = app_id
         self.extra = extra
         self.env = env
+        # a command that runs serve's (as its arguments), e.g. in a mount namespace
+        self.wrapper = wrapper or []
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{app_id}-{self.port}.log"
@@ -126,7 +128,7 @@ class Service:
     def start(self, wait_ready: bool = True) -> Service:
         log = open(self.log_path, "ab")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
+            [*self.wrapper, sys.executable, "-m", "stream.cli", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--app-id", self.app_id,
              "--data-dir", str(self.data_dir), "--bootstrap-servers", self.bootstrap,
              *self.extra],
@@ -190,9 +192,9 @@ def make_service(bootstrap: str, tmp_path: Path,
 
     def make(app_id: str | None = None, data_dir: Path | None = None,
              extra: list[str] | None = None, env: dict[str, str] | None = None,
-             wait_ready: bool = True) -> Service:
+             wait_ready: bool = True, wrapper: list[str] | None = None) -> Service:
         service = Service(bootstrap, data_dir or tmp_path / "data",
-                          app_id or f"it-{uuid.uuid4().hex[:10]}", extra or [], env or {})
+                          app_id or f"it-{uuid.uuid4().hex[:10]}", extra or [], env or {}, wrapper)
         started.append(service)
         return service.start(wait_ready)
 
