@@ -294,3 +294,10 @@ def test_every_limit_is_in_the_http_pages_limits_table_with_its_default():
         row = rows[f"MMCACHE_{name.upper()}"]
         shown = {"max_body_bytes": "16 MiB", "body_budget_bytes": "64 MiB"}.get(name) or f"{info.default:,}"
         assert row.startswith(shown), (name, row)
+
+
+def test_the_readmes_serve_synopsis_names_every_serve_flag():
+    block = re.search(r"^## Command line\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S | re.M)
+    serve = re.search(r"^mmcache serve (.*?)(?=^mmcache )", block.group(1), re.S | re.M).group(1)
+    named = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", serve))
+    assert _commands(_parser())["serve"] <= named, _commands(_parser())["serve"] - named
