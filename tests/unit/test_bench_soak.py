@@ -49,3 +49,24 @@ def test_a_partial_run_replaces_its_own_figures_and_keeps_the_others(tmp_path):
     # a quick run never merges into a full run's file
     rows, meta = _merged(out, new, {"date": "now", "quick": True}, ["soak"], "now")
     assert rows == new
+
+
+def test_a_partial_run_writes_both_files_with_every_figure(tmp_path):
+    """`mmcache bench --only SCENARIO` once replaced the full run's results.json and
+    results.md with its own two figures: both files keep every figure, with the new values
+    of its own, the full run's date, and when the scenario was run again."""
+    from stream.bench.run import write_results
+
+    out = tmp_path / "results.json"
+    full = [Figure("freshness_p99", 10.0, "ms", "t", True).as_json(),
+            Figure("ingest_events_per_s", 26437, "events/s", "t", False).as_json()]
+    write_results(out, full, {"date": "2026-12-05T03:56:17+00:00", "quick": False}, [], "then")
+    fresh = [Figure("freshness_p99", 11.5, "ms", "t", True).as_json()]
+    write_results(out, fresh, {"date": "2026-12-06T08:00:00+00:00", "quick": False}, ["freshness"],
+                  "2026-12-06T08:00:00+00:00")
+    written = orjson.loads(out.read_bytes())
+    assert [(r["name"], r["value"]) for r in written["figures"]] == [
+        ("ingest_events_per_s", 26437), ("freshness_p99", 11.5)]
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("2026-12-05T03:56:17+00:00 (full; freshness run again on 2026-12-06T08:00:00+00:00)")
+    assert "| ingest_events_per_s | 26,437 events/s |" in table and "| freshness_p99 | 11.5 ms |" in table

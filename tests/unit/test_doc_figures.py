@@ -86,3 +86,14 @@ def test_no_page_copies_a_current_figure_by_hand(page):
             if re.search(rf"(?<![\d.,]){re.escape(value)} ?{re.escape(row['unit'])}", text):
                 copied.append(f"{value} {row['unit']} ({row['name']})")
     assert not copied, f"{page}: mark these with <!-- figure NAME -->: {copied}"
+
+
+def test_results_md_is_the_table_of_results_json(tmp_path):
+    """The two committed files are one run's: results.md is what results.json renders."""
+    from stream.bench.run import write_results
+
+    results = orjson.loads(RESULTS.read_bytes())
+    rows = results.pop("figures")
+    out = tmp_path / "results.json"
+    write_results(out, rows, results, [], "unused")
+    assert out.with_suffix(".md").read_text() == RESULTS.with_suffix(".md").read_text()
