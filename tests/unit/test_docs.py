@@ -301,3 +301,10 @@ def test_the_readmes_serve_synopsis_names_every_serve_flag():
     serve = re.search(r"^mmcache serve (.*?)(?=^mmcache )", block.group(1), re.S | re.M).group(1)
     named = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", serve))
     assert _commands(_parser())["serve"] <= named, _commands(_parser())["serve"] - named
+
+
+def test_the_cli_page_names_every_bench_scenario():
+    from stream.bench.run import SCENARIOS
+
+    row = re.search(r"^\| `--only` \|.*$", text("cli.md").split("## `mmcache bench`")[1], re.M).group(0)
+    assert set(re.findall(r"`([a-z0-9_]+)`", row)) - {"all"} == set(SCENARIOS)
