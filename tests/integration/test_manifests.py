@@ -426,6 +426,10 @@ def test_memory_requests_and_limits_hold_the_view_the_config_allows(monkeypatch)
             >= peak * view + settings.body_readers * readers + limits_of.body_budget)
     doc = (ROOT / "docs" / "kubernetes.md").read_text()
     assert f"{per_entry:.0f} B an entry" in doc
+    # the doc's worked example, for the shipped bound
+    assert f"-> {view / 2**20:,.0f} MiB" in doc
+    total = peak * view + readers + limits_of.body_budget
+    assert f"R x {readers / 2**20:,.0f} MiB" in doc and f"= {total / 2**20:,.0f} MiB" in doc
     assert f"MMCACHE_MAX_TOTAL_ENDPOINTS={limits_of.max_total_endpoints:,}" in doc
 
 
