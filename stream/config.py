@@ -59,6 +59,11 @@ class Limits(BaseSettings):
     # facts (stored, removed, cleared) in one POST /v1/engine-events; its stored items and its
     # removed hashes are each bounded by max_items too
     max_engine_events: int = Field(1024, ge=1)
+    # JSON values in one body at most, counted from its bytes before it is parsed (the
+    # separators ``,`` ``:`` ``[`` ``{``, so an upper bound): a parse costs up to ~80 B a
+    # value, so this, not the bytes, is what bounds a body reader's memory (16 MiB of tiny
+    # objects took a reader to ~1 GiB; bench reader_memory)
+    max_body_values: int = Field(262_144, ge=1)
     # open HTTP connections at most; a new one over it is closed at once (Redis' maxclients,
     # nginx's worker_connections: see docs/http-api.md, "What all clients together hold")
     max_connections: int = Field(4096, ge=1)

@@ -1,6 +1,7 @@
 """How much memory one body reader process takes for the worst body within the limits:
-``MMCACHE_MAX_BODY_BYTES`` of the smallest JSON values (the most Python objects a byte),
-read by each route's reader in a fresh process. Each reader holds one body at a time, so
+the most of the smallest JSON values (the most Python objects a byte) within
+``MMCACHE_MAX_BODY_BYTES`` and ``MMCACHE_MAX_BODY_VALUES``, read by each route's reader in
+a fresh process. Each reader holds one body at a time, so
 a pod's memory holds ``MMCACHE_BODY_READERS`` of these (docs/kubernetes.md, "Sizing").
 
 ``python -m stream.bench.reader_memory ROUTE`` prints the peak RSS in KiB of reading one
@@ -28,16 +29,23 @@ _SHAPES = {
 _VALUE = {"engine_events": b'{"type":"cleared"}'}
 
 
-def _body(route: str, limit: int) -> bytes:
+def _values(raw: bytes) -> int:
+    return raw.count(b",") + raw.count(b":") + raw.count(b"[") + raw.count(b"{")
+
+
+def _body(route: str, limits: Limits) -> bytes:
+    """The route's body of the most small values within both ``max_body_bytes`` and
+    ``max_body_values``: the worst a reader parses."""
     head, tail = _SHAPES[route]
     value = _VALUE.get(route, b'{"a":1}')
-    count = (limit - len(head) - len(tail) + 1) // (len(value) + 1)
-    return head + b",".join([value] * count) + tail
+    by_bytes = (limits.max_body_bytes - len(head) - len(tail) + 1) // (len(value) + 1)
+    by_values = (limits.max_body_values - _values(head + tail)) // (_values(value) + 1)
+    return head + b",".join([value] * min(by_bytes, by_values)) + tail
 
 
 def _peak_kib(route: str) -> int:
     limits = Limits()
-    raw = _body(route, limits.max_body_bytes)
+    raw = _body(route, limits)
     try:
         READERS[route](raw, limits)
     except Exception:  # noqa: BLE001, S110 - a refusal costs the parse too
@@ -54,16 +62,18 @@ def reader_memory_figures() -> list[Figure]:
         peaks[route] = int(out.split()[-1]) / 1024
     writes = {route: mib for route, mib in peaks.items() if route != "match_query"}
     worst = max(writes, key=writes.__getitem__)
-    limit_mib = Limits().max_body_bytes / 2**20
+    limits = Limits()
+    limit_mib = limits.max_body_bytes / 2**20
+    within = (f"the most small JSON values within both body limits ({limit_mib:g} MiB, "
+              f"{limits.max_body_values:,} values)")
     return [
         Figure("body_reader_rss_peak_match", round(peaks["match_query"], 1), "MiB", "reported", True,
-               note=f"one reader process, a {limit_mib:g} MiB match body of small JSON objects "
-                    f"(the default body limit); a match needs no token unless "
-                    f"--match-auth-token-file"),
+               note=f"one reader process, a match body of {within}; a match needs no token "
+                    f"unless --match-auth-token-file"),
         Figure("body_reader_rss_peak_write", round(writes[worst], 1), "MiB", "reported", True,
                note=f"the worst write route ({worst}) of " + ", ".join(
                    f"{route} {mib:.1f}" for route, mib in writes.items())
-               + f" MiB, {limit_mib:g} MiB bodies of small JSON values; writes need the write token"),
+               + f" MiB, bodies of {within}; writes need the write token"),
     ]
 
 

@@ -29,8 +29,8 @@ from stream.http.models import (
     read_match,
 )
 
-__all__ = ["READERS", "ApiError", "MatchQuery", "Placement", "checked_match_query", "endpoint_event",
-           "engine_events", "invalid", "match_query", "parse", "placement"]
+__all__ = ["READERS", "ApiError", "MatchQuery", "Placement", "check_values", "checked_match_query",
+           "endpoint_event", "engine_events", "invalid", "match_query", "parse", "placement"]
 
 _ENDPOINT_EVENT = TypeAdapter(EndpointEventRequest)
 # the discriminator values of EndpointEventRequest and of an engine report's facts
@@ -99,6 +99,18 @@ def _message(error: Any) -> str:
     return str(error["msg"])
 
 
+def check_values(raw: bytes, limits: Limits) -> None:
+    """Refuse, before any parse, a body of more JSON values than ``max_body_values``: every
+    value but the document's first follows a ``,``, ``:``, ``[`` or ``{``, so their count
+    bounds the values from above (such characters inside strings count too). Its bytes
+    alone do not bound a parse: 16 MiB of ``{"a":1}`` builds ~2M objects."""
+    values = raw.count(b",") + raw.count(b":") + raw.count(b"[") + raw.count(b"{")
+    if values > limits.max_body_values:
+        raise ApiError(413, "body_too_large",
+                       f"body: up to {values:,} JSON values (counted by their separators), at most "
+                       f"{limits.max_body_values:,} (max_body_values)")
+
+
 def _body_items(body: Any, limits: Limits, items_field: str) -> list[Item]:
     items = extract_items(body, max_items=limits.max_items, max_references=limits.max_references,
                           items_field=items_field)
@@ -113,6 +125,7 @@ def match_query(raw: bytes, limits: Limits) -> MatchQuery:
     any refused by a later check, is read again by ``checked_match_query``, so that
     every error is worded as it always was.
     """
+    check_values(raw, limits)
     query = read_match(raw, limits)
     if query is None:
         return checked_match_query(raw, limits)
@@ -144,6 +157,7 @@ def _within_pairs(endpoints: list[str], items: list[Item], limits: Limits) -> Ma
 
 def placement(raw: bytes, limits: Limits) -> Placement:
     """A ``/v1/placements`` body, checked: exactly one of ``items`` and ``body``."""
+    check_values(raw, limits)
     request: PlacementRequest = parse(PlacementRequest, raw)
     try:
         if (request.items is None) == (request.body is None):
@@ -161,6 +175,7 @@ def placement(raw: bytes, limits: Limits) -> Placement:
 
 def endpoint_event(raw: bytes, limits: Limits) -> Any:
     """A ``/v1/endpoint-events`` body, checked: a deletion or a sync."""
+    check_values(raw, limits)
     event = parse(_ENDPOINT_EVENT, raw)
     try:
         if isinstance(event, EndpointDeletedRequest):
@@ -176,6 +191,7 @@ def engine_events(raw: bytes, limits: Limits) -> EngineEventsRequest:
     """A ``/v1/engine-events`` body, checked: at most ``max_engine_events`` facts, and
     over all of them at most ``max_items`` stored items and ``max_items`` removed hashes,
     each within the hash and modality lengths."""
+    check_values(raw, limits)
     request: EngineEventsRequest = parse(EngineEventsRequest, raw)
     try:
         check_limits(limits, endpoints=[request.endpoint], field="endpoint")
