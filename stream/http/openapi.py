@@ -36,9 +36,9 @@ _ERRORS = {
     400: "Not valid JSON, not of the right shape, or over a limit (the message names the field "
          "or the limit); nothing was written",
     401: "Missing or wrong bearer token; nothing was written",
-    413: "Body over max_body_bytes (code body_too_large), or an event that the event log could "
-         "never take, over the producer's max_request_size (code event_too_large); nothing was "
-         "written",
+    413: "Body over max_body_bytes or max_body_values (code body_too_large), or an event that the "
+         "event log could never take, over the producer's max_request_size (code event_too_large); "
+         "nothing was written",
     503: "Not taken now, nothing was written: the event log did not acknowledge the write "
          "within produce_timeout_s (code log_unavailable: it may still be written, retry is "
          "safe), too many writes wait for it (code overloaded), the bodies in flight fill the "
