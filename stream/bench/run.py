@@ -33,6 +33,13 @@ def _replay(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return replay_figures(bootstrap, _sized(1_000_000, 120_000 if quick else 0, scale), runs)
 
 
+def _vllm_transport(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.vllm_transport import vllm_transport_figures
+
+    # the plugin's sender against a local server: no broker
+    return vllm_transport_figures(1 if quick or scale else 5, 20 if scale else 100 if quick else 500)
+
+
 def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.match import match_figures
 
@@ -124,6 +131,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "freshness": _freshness,
     "ingest": _ingest,
     "replay": _replay,
+    "vllm_transport": _vllm_transport,
     "restart": _restart,
     "state_poll": _state_poll,
     "body_attack": _body_attack,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import socket
 import ssl
 import urllib.parse
 import urllib.request
@@ -112,6 +113,10 @@ class EventsConnection:
         self._connection = connection
         self._served = 0
         self.opened += 1
+        connection.connect()
+        # http.client sends a request's head and body in two writes: with Nagle's algorithm
+        # the body waits for the server's delayed ACK of the head (~40 ms) on a kept connection
+        connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return connection
 
     _proxied: tuple[str, dict[str, str]] = ("/", {})
