@@ -442,9 +442,10 @@ class Journal:
     def start(self, timeout: float = 30.0) -> Journal:
         """Start tailing and wait until every partition is assigned and positioned."""
         self._thread.start()
-        if isinstance(self._failure, CorruptLog) and self._ready.wait(timeout):
+        ready = self._ready.wait(timeout)
+        if isinstance(self._failure, CorruptLog):
             raise self._failure  # a damaged file: its own one-line message
-        if not self._ready.wait(timeout) or self._failure is not None:
+        if not ready or self._failure is not None:
             raise RuntimeError(f"the embedded log's journal did not start: {self._failure!r}")
         log.info("embedded broker's log kept in %s (%s)", self.files.root,
                  ", ".join(self.topic_names))
