@@ -40,6 +40,12 @@ def _vllm_transport(bootstrap: str, quick: bool, scale: float | None) -> list[Fi
     return vllm_transport_figures(1 if quick or scale else 5, 20 if scale else 100 if quick else 500)
 
 
+def _http_date(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.http_date import http_date_figures
+
+    return http_date_figures(3 if quick or scale else 15, 10_000 if scale else 100_000)
+
+
 def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.match import match_figures
 
@@ -133,6 +139,7 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "replay": _replay,
     "restart": _restart,
     "vllm_transport": _vllm_transport,
+    "http_date": _http_date,
     "state_poll": _state_poll,
     "body_attack": _body_attack,
     "failover": _failover,
