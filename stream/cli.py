@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -24,13 +23,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from stream.config import (
+    CAPACITY_KEYS,
     ConfigError,
     KafkaSecurity,
     Limits,
     Resolved,
     Settings,
     describe_validation_error,
+    environment,
     load_plugin_config,
+    resolve,
 )
 from stream.logs import FORMAT, apply_log_level, install_repeat_filter
 
@@ -38,22 +40,20 @@ __all__ = ["main"]
 
 log = logging.getLogger("mmcache")
 
-_CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server")
 _SERVE_FLAGS = ("host", "port", "app_id", "data_dir", "bootstrap_servers", "topic", "partitions",
-                *_CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
+                *CAPACITY_KEYS, "auth_token_file", "match_auth_token_file",
                 "allow_unauthenticated_writes", "tls_cert", "tls_key", "produce_timeout_s",
                 "shutdown_timeout_s", "idle_poll_s", "max_lag_events", "match_source", "log_level",
                 "checkpoint_topic", "from_checkpoint")
 
 
 def _config_path(args: argparse.Namespace) -> Path | None:
-    value = getattr(args, "config", None) or os.environ.get("MMCACHE_CONFIG")
+    value = getattr(args, "config", None) or environment("MMCACHE_CONFIG")
     return Path(value) if value else None
 
 
 def _settings(args: argparse.Namespace) -> Resolved:
-    """Flags win over MMCACHE_* variables, which win over the --config file."""
-    values: dict[str, Any] = {}
+    """The flags given, over the environment, over the --config file (``config.resolve``)."""
     plugin = None
     config = _config_path(args)
     if config is not None:
@@ -64,23 +64,9 @@ def _settings(args: argparse.Namespace) -> Resolved:
             if not getattr(args, "config", None):  # from the variable: name it, not the flag
                 text = text.replace(f"--config {config}:", f"MMCACHE_CONFIG={config}:", 1)
             raise SystemExit(f"configuration error: {text}") from None
-        values = {key: value for key, value in plugin.values.items()
-                  if f"MMCACHE_{key.upper()}" not in os.environ}
     flags = {key: getattr(args, key) for key in _SERVE_FLAGS if getattr(args, key, None) is not None}
-    source = "default"
-    if any(key in flags for key in _CAPACITY_KEYS):
-        for key in _CAPACITY_KEYS:
-            values.pop(key, None)
-        source = "flag --" + next(k for k in _CAPACITY_KEYS if k in flags).replace("_", "-")
-    elif any(f"MMCACHE_{key.upper()}" in os.environ for key in _CAPACITY_KEYS):
-        for key in _CAPACITY_KEYS:
-            values.pop(key, None)
-        source = "environment " + next(f"MMCACHE_{k.upper()}" for k in _CAPACITY_KEYS
-                                       if f"MMCACHE_{k.upper()}" in os.environ)
-    elif plugin is not None and values:
-        source = f"--config {plugin.source}"
     try:
-        return Resolved(Settings(**{**values, **flags}), source, plugin)
+        return resolve(flags, plugin)
     except ValidationError as exc:
         raise SystemExit(f"configuration error: {describe_validation_error(exc)}") from None
     except ValueError as exc:  # raised by a validator outside pydantic's wrapping
@@ -305,10 +291,10 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         "state digest (equal to the live service's for the same events). A partition whose "
         "oldest events were trimmed starts from the checkpoint in the changelog.")
     _flag(rebuild, "--bootstrap-servers", "Kafka cluster holding the event topic",
-          required="MMCACHE_BOOTSTRAP_SERVERS" not in os.environ, default="required",
+          required=environment("MMCACHE_BOOTSTRAP_SERVERS") is None, default="required",
           metavar="HOST:PORT")
     _flag(rebuild, "--data-dir", "the new (missing or empty) data dir to write", type=Path,
-          required="MMCACHE_DATA_DIR" not in os.environ, default="required", metavar="DIR")
+          required=environment("MMCACHE_DATA_DIR") is None, default="required", metavar="DIR")
     _flag(rebuild, "--app-id", "app id of the live service")
     _flag(rebuild, "--topic", "event topic", default="<app-id>-events", metavar="NAME")
     _add_config(rebuild)
@@ -379,7 +365,7 @@ class _DefaultOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _debug_wanted(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("MMCACHE_DEBUG", "") not in (
+    return bool(getattr(args, "debug", False)) or (environment("MMCACHE_DEBUG") or "") not in (
         "", "0", "false", "no")
 
 

@@ -1,21 +1,28 @@
 """One frozen settings object: flags win over ``MMCACHE_*`` variables, which win over
-the YAML ``--config`` file (Go plugin parameter names), which wins over defaults.
+the YAML ``--config`` file (Go plugin parameter names), which wins over defaults. The
+order is pydantic-settings' own (``Settings.settings_customise_sources``): the flags are
+the init values, the variables are read as pydantic-settings reads them (their case
+aside), and the file is a source of its own.
 """
 
 from __future__ import annotations
 
+import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from stream.core.cache import Capacity
 from stream.core.engine import ENGINE_VIEW_ENTRIES
 
 __all__ = [
+    "CAPACITY_KEYS",
     "FLAGS",
     "PLUGIN_TYPE",
     "ConfigError",
@@ -25,10 +32,62 @@ __all__ = [
     "Resolved",
     "Settings",
     "describe_validation_error",
+    "environment",
     "load_plugin_config",
     "read_yaml",
+    "resolve",
     "setting_names",
 ]
+
+#: The two keys of the capacity: one choice, taken whole from the highest source naming either.
+CAPACITY_KEYS = ("cache_size_mb_per_server", "cache_size_embeddings_per_server")
+# the --config file's values while ``resolve`` builds a ``Settings`` (its source reads them)
+_PLUGIN_VALUES: ContextVar[dict[str, Any] | None] = ContextVar("plugin_values", default=None)
+
+
+def environment(name: str) -> str | None:
+    """The variable ``name`` as pydantic-settings reads the settings' own: its case aside
+    (``MMCACHE_X`` or ``mmcache_x``; the exact name first)."""
+    if name in os.environ:
+        return os.environ[name]
+    wanted = name.lower()
+    return next((value for key, value in os.environ.items() if key.lower() == wanted), None)
+
+
+def _environment_name(name: str) -> str:
+    """The name under which ``name`` is set in the environment (its case as given)."""
+    wanted = name.lower()
+    return name if name in os.environ else next(
+        (key for key in os.environ if key.lower() == wanted), name)
+
+
+class _PluginFileSource(PydanticBaseSettingsSource):
+    """The --config file's values (``load_plugin_config``), below the environment."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return (_PLUGIN_VALUES.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_PLUGIN_VALUES.get() or {})
+
+
+class _CapacityBelow(PydanticBaseSettingsSource):
+    """A source whose capacity keys count only when no source above it names either: the
+    two modes are one choice, never one key from each of two sources."""
+
+    def __init__(self, settings_cls: type[BaseSettings], source: PydanticBaseSettingsSource,
+                 above: tuple[PydanticBaseSettingsSource, ...]) -> None:
+        super().__init__(settings_cls)
+        self.source, self.above = source, above
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.source.get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        values = self.source()
+        if any(key in higher() for higher in self.above for key in CAPACITY_KEYS):
+            values = {key: value for key, value in values.items() if key not in CAPACITY_KEYS}
+        return values
 
 
 class Limits(BaseSettings):
@@ -179,6 +238,18 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = Field(default_factory=Limits)
     kafka: KafkaSecurity = Field(default_factory=KafkaSecurity)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (the init values), then the environment, then the --config file, then the
+        defaults; the capacity taken whole from the highest that names it."""
+        plugin = _PluginFileSource(settings_cls)
+        return (init_settings, _CapacityBelow(settings_cls, env_settings, (init_settings,)),
+                _CapacityBelow(settings_cls, plugin, (init_settings, env_settings)))
 
     @field_validator("embedded_retention_ms", "embedded_retention_bytes", "embedded_rebase_bytes")
     @classmethod
@@ -406,3 +477,23 @@ class Resolved(NamedTuple):
     settings: Settings
     capacity_source: str
     plugin: PluginConfig | None
+
+
+def resolve(flags: dict[str, Any], plugin: PluginConfig | None) -> Resolved:
+    """The settings from the flags given (``None``-free), the environment and the --config
+    file's ``plugin``, in ``Settings``' order; raises ``ValidationError`` (or ``ValueError``)."""
+    values = plugin.values if plugin is not None else {}
+    token = _PLUGIN_VALUES.set(values)
+    try:
+        settings = Settings(**flags)
+    finally:
+        _PLUGIN_VALUES.reset(token)
+    source = "default"
+    if any(key in flags for key in CAPACITY_KEYS):
+        source = "flag --" + next(k for k in CAPACITY_KEYS if k in flags).replace("_", "-")
+    elif any(environment(f"MMCACHE_{key.upper()}") is not None for key in CAPACITY_KEYS):
+        source = "environment " + next(_environment_name(f"MMCACHE_{k.upper()}") for k in CAPACITY_KEYS
+                                       if environment(f"MMCACHE_{k.upper()}") is not None)
+    elif plugin is not None and values:
+        source = f"--config {plugin.source}"
+    return Resolved(settings, source, plugin)

@@ -45,6 +45,8 @@ class Histogram:
     """One histogram series for the event loop's thread only: a count per bucket and a sum.
 
     ``observe`` is a bisect and two adds; the cumulative buckets are summed at scrape.
+    prometheus_client's ``Histogram`` is its oracle (``tests/unit/test_metrics_histogram_oracle.py``):
+    a NaN is summed and counted in no bucket, as there.
     """
 
     __slots__ = ("bounds", "counts", "sum")
@@ -56,7 +58,8 @@ class Histogram:
 
     def observe(self, value: float) -> None:
         """Count ``value`` in the first bucket whose upper bound is >= it."""
-        self.counts[bisect_left(self.bounds, value)] += 1
+        if value == value:  # not NaN, which bisect would put in the first bucket
+            self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
     def buckets(self) -> list[tuple[str, float]]:

@@ -248,7 +248,7 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
     one for a new dir) and give it that log back, compacted, at its own offsets; refuse a
     dir built against another cluster. Returns them as an ``EmbeddedCluster`` (its journal
     not started yet: the topics are made first)."""
-    from stream.kafka.embedded_log import EmbeddedLog
+    from stream.kafka.embedded_log import CorruptLog, EmbeddedLog
     from stream.kafka.log_cleaner import Retention, compact, now_ms
     from stream.kafka.rebase import EmbeddedCluster
     from stream.state.store import admit_changelog, applied_at
@@ -272,7 +272,10 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
                                _tombstones_through(datadir, killed), retention, now_ms(), killed)
 
             starting.reason = "compacting the embedded broker's kept log"
-            plans = loop.run_until_complete(asyncio.to_thread(compact_kept))  # the port answers meanwhile
+            try:
+                plans = loop.run_until_complete(asyncio.to_thread(compact_kept))  # the port answers meanwhile
+            except CorruptLog as exc:  # damage, not a kill's torn tail: nothing is cut
+                raise SystemExit(f"cannot start on the embedded broker's kept log: {exc}") from None
 
             def progress(done: int, total: int) -> None:
                 starting.reason = f"restoring the embedded broker's log: {done} of {total} records"
@@ -319,8 +322,12 @@ def _keep_embedded_log(cluster: Any, settings: Settings, changelog: str, partiti
     cluster.files.record_topics({name: spec for name, spec in topics.items() if name not in kept},
                                 changelogs={changelog: settings.events_topic})
     cluster.topics = list(topics)
+    from stream.kafka.embedded_log import CorruptLog
+
     try:
         cluster.start_journal()
+    except CorruptLog as exc:
+        raise SystemExit(f"cannot start on the embedded broker's kept log: {exc}") from None
     except RuntimeError as exc:
         raise SystemExit(f"cannot keep the embedded broker's log in {cluster.files.root}: "
                          f"{exc}") from None

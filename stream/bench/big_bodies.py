@@ -24,6 +24,7 @@ import orjson
 
 from stream.bench.figures import Figure, span
 from stream.kafka.embedded import free_port
+from stream.percentiles import percentile
 
 __all__ = ["FLOOD_BODY_BYTES", "FLOOD_CLIENTS", "big_body_figures", "placement_latencies"]
 
@@ -130,12 +131,6 @@ def placement_latencies(port: int, seconds: float, flood: bool) -> tuple[list[fl
     return asyncio.run(run())
 
 
-def p99(values: list[float]) -> float:
-    """The 99th percentile (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[max(0, round(0.99 * len(ordered)) - 1)]
-
-
 class Service:
     """The HTTP API in a child process, writing to the broker at ``bootstrap``."""
 
@@ -182,11 +177,11 @@ def big_body_figures(bootstrap: str, seconds: float, runs: int) -> list[Figure]:
                 latencies, statuses, answered = placement_latencies(service.port, seconds, flood)
                 refused += sum(1 for status in statuses if status != 202)
                 if flood:
-                    flooded.append(p99(latencies))
+                    flooded.append(percentile(latencies, 0.99))
                     worst.append(max(latencies))
                     flood_answers.update(answered)
                 else:
-                    alone.append(p99(latencies))
+                    alone.append(percentile(latencies, 0.99))
     finally:
         service.stop()
     value, control = round(statistics.median(flooded), 1), round(statistics.median(alone), 1)

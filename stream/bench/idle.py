@@ -29,6 +29,7 @@ from stream.bench.service import Worker
 from stream.bench.stacks import SERVER_CORE, cpu_seconds, wrk_rate
 from stream.core.cache import CacheState, Capacity
 from stream.kafka.fetch_gate import IDLE_POLL_S
+from stream.percentiles import percentile
 
 __all__ = ["idle_figures", "match_embedded_figures"]
 
@@ -49,11 +50,6 @@ def _bootstrap(worker: Worker) -> str:
     if found is None:
         raise RuntimeError(f"no embedded broker in {worker.log_path}")
     return found.group(1)
-
-
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 def _fresh_ms(worker: Worker, i: int) -> float:
@@ -101,7 +97,7 @@ def idle_figures(minutes: int, minute_s: float, window_s: float, samples: int) -
     total = [100 * (s + b) for s, b in shares]
     served, brokered = (statistics.median(100 * x[k] for x in shares) for k in (0, 1))
     idle = statistics.median(total)
-    p50, p99 = _percentile(delays, 0.5), _percentile(delays, 0.99)
+    p50, p99 = percentile(delays, 0.5), percentile(delays, 0.99)
     worst_minute = max(after_minute)
     return [
         Figure("idle_cpu_embedded", round(idle, 2), "% of a core", "<= 3% of a core", idle <= 3,

@@ -33,6 +33,19 @@ def _replay(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return replay_figures(bootstrap, _sized(1_000_000, 120_000 if quick else 0, scale), runs)
 
 
+def _vllm_transport(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.vllm_transport import vllm_transport_figures
+
+    # the plugin's sender against a local server: no broker
+    return vllm_transport_figures(1 if quick or scale else 5, 20 if scale else 100 if quick else 500)
+
+
+def _http_date(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.http_date import http_date_figures
+
+    return http_date_figures(3 if quick or scale else 15, 10_000 if scale else 100_000)
+
+
 def _match(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.match import match_figures
 
@@ -131,6 +144,8 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "ingest": _ingest,
     "replay": _replay,
     "restart": _restart,
+    "vllm_transport": _vllm_transport,
+    "http_date": _http_date,
     "state_poll": _state_poll,
     "body_attack": _body_attack,
     "failover": _failover,

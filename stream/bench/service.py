@@ -27,6 +27,7 @@ from stream.core.cache import CacheState, Capacity
 from stream.core.codec import decode_event, encode_event
 from stream.core.events import Position
 from stream.kafka.embedded import free_port
+from stream.percentiles import percentile
 from stream.state.datadir import DataDir
 from stream.state.rebuild import rebuild
 
@@ -96,11 +97,6 @@ class Worker:
         self.log.close()
 
 
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 def freshness_figures(bootstrap: str, samples: int) -> list[Figure]:
     """Time from a placement's 202 to the first match that sees it."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +116,7 @@ def freshness_figures(bootstrap: str, samples: int) -> list[Figure]:
                 delays.append((time.perf_counter() - acked) * 1000)
         finally:
             worker.stop()
-    p50, p99 = _percentile(delays, 0.5), _percentile(delays, 0.99)
+    p50, p99 = percentile(delays, 0.5), percentile(delays, 0.99)
     note = f"{samples} placements, one at a time, embedded broker"
     return [Figure("freshness_p50", round(p50, 2), "ms", "<= 10 ms", p50 <= 10, note=note),
             Figure("freshness_p99", round(p99, 2), "ms", "<= 50 ms", p99 <= 50, note=note)]

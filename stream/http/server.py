@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import logging
 import resource
 import socket
@@ -62,6 +63,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from time import time as _clock
 from typing import Any
 
 import httptools
@@ -69,7 +71,7 @@ import orjson
 
 __all__ = ["BODY_IDLE_S", "HEAD_TIMEOUT_S", "KEEPALIVE_S", "LINGER_IDLE_S", "LINGER_S", "MAX_CONNECTIONS",
            "MAX_HEAD", "MAX_HEADERS", "MAX_LINE", "RETRY_AFTER_S", "Endpoint", "HttpServer", "Request",
-           "Response", "Routes", "tls_context"]
+           "Response", "Routes", "date_header", "tls_context"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,21 @@ SWEEP_S = 1.0
 
 _PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_date_line = b""
+_date_expires = 0.0  # the wall-clock second after the one ``_date_line`` says
+
+
+def date_header() -> bytes:
+    """The ``Date`` header line of this second, which every answer carries (RFC 9110
+    section 6.6.1: an origin server with a clock sends it); formatted once a second, not
+    once an answer (a clock read and a comparison otherwise)."""
+    global _date_line, _date_expires
+    now = _clock()
+    if now >= _date_expires or now < _date_expires - 1:  # the next second, or the clock set back
+        second = int(now)
+        _date_line = b"Date: %s\r\n" % email.utils.formatdate(second, usegmt=True).encode("ascii")
+        _date_expires = second + 1.0
+    return _date_line
 _CLOSE = b"Connection: close\r\n"
 _KEEP_ALIVE = b"Connection: keep-alive\r\n"
 _JSON = "application/json"
@@ -191,9 +208,10 @@ class Response:
         length = sum(map(len, self.parts)) if self.parts is not None else len(self.body)
         extra = b"".join(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
                          for name, value in self.headers.items()) if self.headers else b""
-        return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n" % (
-            self.status, _PHRASES.get(self.status, b"Unknown"), self.content_type.encode("latin-1"),
-            length, extra, _CLOSE if close else _KEEP_ALIVE if keep_alive else b"")
+        return b"HTTP/1.1 %d %s\r\n%sContent-Type: %s\r\nContent-Length: %d\r\n%s%s\r\n" % (
+            self.status, _PHRASES.get(self.status, b"Unknown"), date_header(),
+            self.content_type.encode("latin-1"), length, extra,
+            _CLOSE if close else _KEEP_ALIVE if keep_alive else b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,8 +331,9 @@ def _refusal(what: str, kind: str, status: int = 400, code: str = "bad_request")
     body = _bad_body(what, kind, code)
     # a 400 says HTTP/1.0: the request's own version may be what could not be read
     version = b"HTTP/1.0" if status == 400 else b"HTTP/1.1"
-    return b"%s %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
-           b"Connection: close\r\n\r\n%s" % (version, status, _PHRASES[status], len(body), body)
+    return b"%s %d %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n" \
+           b"Connection: close\r\n\r\n%s" % (version, status, _PHRASES[status], date_header(),
+                                                len(body), body)
 
 
 _BUSY = orjson.dumps({"error": {"code": "server_busy", "message": "the server holds as many request bodies "

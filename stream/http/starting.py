@@ -20,6 +20,8 @@ import ssl
 
 import orjson
 
+from stream.http.server import date_header
+
 __all__ = ["StartingServer"]
 
 #: A request head longer than this is answered 431 and closed (probes send ~100 bytes).
@@ -122,8 +124,8 @@ class StartingServer:
 def _response(status: int, body: object, head_only: bool = False, retry_after: bool = False) -> bytes:
     raw = orjson.dumps(body)
     retry = "Retry-After: 1\r\n" if retry_after else ""
-    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n{retry}Connection: close\r\n\r\n").encode()
+    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\n{date_header().decode()}Content-Type: "
+            f"application/json\r\nContent-Length: {len(raw)}\r\n{retry}Connection: close\r\n\r\n").encode()
     return head if head_only else head + raw
 
 

@@ -15,8 +15,12 @@ offsets, before Faust starts: restart, recovery and `rebuild` then see the log t
 File format, one frame a record: ``>II`` (body length, CRC-32 of the body), then the body
 ``>qqb`` (offset, timestamp ms, timestamp type), key and value (``>i`` length, -1 for
 none, then the bytes) and ``>H`` headers, each ``>H`` name length, name (UTF-8), ``>i``
-value length, value. A frame cut short by a kill (or with a wrong CRC) ends the file:
-it was never acknowledged, and it is cut off when the file is opened for appending.
+value length, value. A frame cut short by a kill ends the file: it was never
+acknowledged, and it is cut off when the file is opened for appending (a torn tail: no
+whole frame follows the bad one). A bad frame (a wrong CRC, or a length past the file)
+with whole frames after it is not a kill's doing: the file was damaged, and cutting it
+would drop acknowledged records, so every reader (``scan``, and so appending, reading and
+compaction) refuses it with ``CorruptLog``, naming the file, the byte and what to do.
 Records are written (not fsynced) before they are acknowledged: they survive the
 process, not a power cut of the machine.
 """
@@ -43,7 +47,8 @@ from aiokafka.structs import TopicPartition
 
 from stream.kafka import fetch_gate
 
-__all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "EmbeddedLog", "Frame", "Journal",
+__all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "CorruptLog", "EmbeddedLog", "Frame",
+           "Journal",
            "LogRecord", "RestoreFailed", "is_log_entry", "mapped", "scan"]
 
 LOG_DIR_NAME = "log"
@@ -81,6 +86,22 @@ def is_log_entry(depth: int, name: str, is_dir: bool) -> bool:
 
 class RestoreFailed(SystemExit):
     """The journal could not be given back to the broker as it was; nothing was deleted."""
+
+
+class CorruptLog(ValueError):
+    """A partition file holds a bad frame with whole frames after it: damage, not the torn
+    tail of a kill. Nothing is cut; the message is one line naming the file, the byte and
+    what the operator can do."""
+
+    def __init__(self, path: Path | str | None, at: int, following: int, next_offset: int) -> None:
+        where = str(path) if path is not None else "a kept log file"
+        super().__init__(
+            f"{where}: the record at byte {at} is damaged (wrong CRC or length) and whole records "
+            f"follow it (from byte {following}, offset {next_offset}): the file was corrupted, not "
+            f"cut by a kill, and cutting it would drop acknowledged records, so nothing was changed; "
+            f"copy the data dir aside, then restore the file from a backup, or drop the records from "
+            f"that byte on with 'truncate -s {at} {where}' and start again")
+        self.path, self.at, self.following, self.next_offset = path, at, following, next_offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +157,10 @@ def _decode_body(body: bytes) -> LogRecord:
     return LogRecord(offset, timestamp, kind, blobs[0], blobs[1], tuple(headers))  # type: ignore[arg-type]
 
 
-def read_frames(data: bytes) -> tuple[list[LogRecord], int]:
-    """The whole frames at the start of ``data`` and the length they take; a torn or
-    corrupt frame (and all after it) is left out."""
-    frames, length = scan(data)
+def read_frames(data: bytes, path: Path | None = None) -> tuple[list[LogRecord], int]:
+    """The whole frames at the start of ``data`` and the length they take; a torn tail is
+    left out, a damaged frame with whole ones after it refused (``scan``)."""
+    frames, length = scan(data, path=path)
     return [_decode_body(bytes(data[f.start + _FRAME.size:f.end])) for f in frames], length
 
 
@@ -157,10 +178,11 @@ class Frame:
 
 
 def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambda key: False,
-         ) -> tuple[list[Frame], int]:
-    """The whole frames at the start of ``data`` and the length they take; a torn or
-    corrupt frame (and all after it) is left out. Only the values of keys for which
-    ``values`` is true are copied (compaction mostly needs keys, not values)."""
+         path: Path | None = None) -> tuple[list[Frame], int]:
+    """The whole frames at the start of ``data`` and the length they take. A torn tail (a
+    bad frame with no whole frame after it: a kill's) is left out; a bad frame with a
+    whole frame after it raises ``CorruptLog`` (``path`` names the file). Only the values
+    of keys for which ``values`` is true are copied (compaction mostly needs keys)."""
     frames: list[Frame] = []
     append = frames.append
     at, size = 0, len(data)
@@ -185,7 +207,41 @@ def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambd
             at = end
     finally:
         view.release()
+    if at < size:
+        following = _next_whole_frame(data, at)
+        if following is not None:
+            raise CorruptLog(path, at, following, _HEAD.unpack_from(data, following)[2])
     return frames, at
+
+
+#: The least body a frame has: position, two lengths, a header count.
+_MIN_BODY = _POSITION.size + 2 * _LENGTH.size + _COUNT.size
+
+
+def _is_whole_frame(data: bytes | mmap.mmap, at: int) -> bool:
+    size = len(data)
+    if at + _HEAD.size > size:
+        return False
+    length, crc = _FRAME.unpack_from(data, at)
+    end = at + _FRAME.size + length
+    if length < _MIN_BODY or end > size:
+        return False
+    with memoryview(data) as view:
+        return zlib.crc32(view[at + _FRAME.size:end]) == crc
+
+
+def _next_whole_frame(data: bytes | mmap.mmap, bad: int) -> int | None:
+    """Where the first whole frame after the bad one at ``bad`` starts, if any: where its
+    own length says it ends first (a damaged body), then at every byte (a damaged length).
+    A kill's torn tail is a part of one frame, so this reads only that part."""
+    length = _FRAME.unpack_from(data, bad)[0] if bad + _FRAME.size <= len(data) else -1
+    claimed = bad + _FRAME.size + length
+    if length >= 0 and _is_whole_frame(data, claimed):
+        return claimed
+    for at in range(bad + 1, len(data) - _HEAD.size + 1):
+        if _is_whole_frame(data, at):
+            return at
+    return None
 
 
 @contextlib.contextmanager
@@ -284,7 +340,7 @@ class EmbeddedLog:
     def records(self, topic: str, partition: int) -> list[LogRecord]:
         """The partition's whole records, in offset order."""
         path = self.partition_path(topic, partition)
-        return read_frames(path.read_bytes())[0] if path.exists() else []
+        return read_frames(path.read_bytes(), path)[0] if path.exists() else []
 
     def open_for_append(self, topic: str, partition: int) -> tuple[BinaryIO, int]:
         """The partition's file, cut after its last whole frame, and the next offset."""
@@ -296,7 +352,7 @@ class EmbeddedLog:
             length, next_offset = known
         else:
             with mapped(path) as data:
-                frames, length = scan(data)
+                frames, length = scan(data, path=path)
                 size = len(data)
             next_offset = frames[-1].offset + 1 if frames else 0
         if length < size:
@@ -386,7 +442,10 @@ class Journal:
     def start(self, timeout: float = 30.0) -> Journal:
         """Start tailing and wait until every partition is assigned and positioned."""
         self._thread.start()
-        if not self._ready.wait(timeout) or self._failure is not None:
+        ready = self._ready.wait(timeout)
+        if isinstance(self._failure, CorruptLog):
+            raise self._failure  # a damaged file: its own one-line message
+        if not ready or self._failure is not None:
             raise RuntimeError(f"the embedded log's journal did not start: {self._failure!r}")
         log.info("embedded broker's log kept in %s (%s)", self.files.root,
                  ", ".join(self.topic_names))

@@ -207,14 +207,14 @@ def compact(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
         changelog = changelogs.get(name)
         for partition in range(int(spec["partitions"])):
             with mapped(files.partition_path(name, partition)) as events:
-                frames, length = scan(events)
+                frames, length = scan(events, path=files.partition_path(name, partition))
                 if changelog is None:  # dead letters
                     retain(name, partition, events, frames, length, None)
                     continue
                 # the changelog first: it says what is applied, and so what to keep of these
                 path = files.partition_path(changelog, partition)
                 with mapped(path) as data:
-                    records, whole = scan(data, lambda key: True)
+                    records, whole = scan(data, lambda key: True, path)
                     unfinished = 0
                     if killed:
                         keep = applied_prefix(records, frames[-1].offset + 1 if frames else 0, applied_at)

@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
+from stream.percentiles import percentile
 from stream.sim.engine import Costs, Engine, EngineConfig, PromptRequest
 from stream.sim.workload import Request
 
-__all__ = ["LAYERS", "POLICIES", "FleetSpec", "LayerHits", "PolicyResult", "hit_saving_s", "percentile",
+__all__ = ["LAYERS", "POLICIES", "FleetSpec", "LayerHits", "PolicyResult", "hit_saving_s",
            "prefix_capacity", "simulate"]
 
 POLICIES = ("random", "round-robin", "least-loaded", "index", "index-size", "per-replica", "oracle",
@@ -149,12 +150,12 @@ class PolicyResult:
     @property
     def ttft_p50_s(self) -> float:
         """Median time to first token."""
-        return percentile(self.ttft_s, 0.5)
+        return percentile(self.ttft_s, 0.5) if self.ttft_s else 0.0
 
     @property
     def ttft_p90_s(self) -> float:
         """90th percentile of the time to first token."""
-        return percentile(self.ttft_s, 0.9)
+        return percentile(self.ttft_s, 0.9) if self.ttft_s else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -216,14 +217,6 @@ def prefix_capacity(engine: EngineConfig, requests: Sequence[Request]) -> int:
     items = sum(request.embeddings for request in requests)
     share = items / prompt if prompt else 1.0
     return max(engine.encoder_cache_size, round(engine.kv_blocks * engine.block_size * share))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile by the nearest rank (0.0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class _Index:

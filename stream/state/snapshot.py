@@ -12,14 +12,22 @@ another worker's changelog, leaves no snapshot), and it records each file's Faus
 offset record and applied offset. A start takes it only if every file still has both
 (nothing wrote to them since), and removes it once read either way, so it is never used
 twice. The file starts with ``MAGIC``, by which ``DataDir`` knows it for mmcache's.
+
+After the magic, a fixed header says who wrote it: ``>HHIQ`` (``FORMAT``, the
+``marshal.version`` of the Python that wrote it, the CRC-32 of everything after this
+header, the length of the marshalled marks); then the marks, then the view. A snapshot of
+another format or marshal version, or whose CRC does not match, is no snapshot: the start
+reads the files (marshal's format is CPython's own and may change between its releases).
 """
 
 from __future__ import annotations
 
 import logging
 import marshal
+import mmap
 import struct
-from typing import Any, BinaryIO
+import zlib
+from typing import Any
 
 from stream.core.cache import CacheState, Capacity
 from stream.state.datadir import SNAPSHOT_MAGIC, DataDir, write_whole
@@ -27,8 +35,9 @@ from stream.state.store import APPLIED_KEY, FAUST_OFFSET_KEY, encode_applied
 
 __all__ = ["FileMarks", "file_marks", "read_snapshot", "snapshot_marks", "write_snapshot"]
 
-FORMAT = 1
-_LENGTH = struct.Struct(">Q")  # the header's length, after the magic
+FORMAT = 2
+# after the magic: format, marshal version, CRC-32 of the rest, length of the marshalled marks
+_HEADER = struct.Struct(">HHIQ")
 
 #: Each partition file's Faust offset record and applied offset record (raw values).
 FileMarks = dict[int, tuple[bytes | None, bytes | None]]
@@ -58,26 +67,44 @@ def write_snapshot(datadir: DataDir, state: CacheState) -> bool:
             log.info("no view snapshot: partition %d's file holds another applied offset "
                      "than the view", partition)
             return False
-    header = marshal.dumps((FORMAT, tuple(state.capacity), marks))
-    write_whole(datadir.snapshot, SNAPSHOT_MAGIC + _LENGTH.pack(len(header)) + header
-                + marshal.dumps(state.export()))
+    header = marshal.dumps((tuple(state.capacity), marks))
+    view = marshal.dumps(state.export())
+    crc = zlib.crc32(view, zlib.crc32(header))
+    write_whole(datadir.snapshot, SNAPSHOT_MAGIC + _HEADER.pack(FORMAT, marshal.version, crc, len(header))
+                + header + view)
     return True
 
 
 def snapshot_marks(datadir: DataDir, capacity: Capacity) -> FileMarks | None:
-    """The file marks a snapshot was written with, if there is one of this format and
-    capacity (read without RocksDB: the caller compares them with the files)."""
+    """The file marks a snapshot was written with, if there is one of this format,
+    marshal version and capacity, whole (its CRC: ~20 ms at 1M entries) (read without
+    RocksDB: the caller compares them with the files)."""
     try:
-        with open(datadir.snapshot, "rb") as file:
-            header = _header(file)
-        if header is None or header[0] != FORMAT or tuple(header[1]) != tuple(capacity):
-            return None
-        marks = header[2]
-        if not isinstance(marks, dict):
-            return None
-        return marks
+        with (open(datadir.snapshot, "rb") as file,
+              mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data):
+            return _marks(data, capacity)
     except (OSError, ValueError, EOFError, TypeError, IndexError, struct.error):
         return None  # unreadable: the files are read instead, and it is dropped
+
+
+def _marks(data: mmap.mmap, capacity: Capacity) -> FileMarks | None:
+    start = len(SNAPSHOT_MAGIC) + _HEADER.size
+    if data[:len(SNAPSHOT_MAGIC)] != SNAPSHOT_MAGIC:
+        return None
+    kind, version, crc, length = _HEADER.unpack_from(data, len(SNAPSHOT_MAGIC))
+    if kind != FORMAT or version != marshal.version:
+        log.info("the view snapshot was written by another mmcache or Python (format %d, "
+                 "marshal %d; this one reads %d, %d): the files are read", kind, version,
+                 FORMAT, marshal.version)
+        return None
+    with memoryview(data) as view:
+        if zlib.crc32(view[start:]) != crc:
+            log.warning("the view snapshot's CRC does not match its content: the files are read")
+            return None
+        capacity_at, marks = marshal.loads(view[start:start + length])
+    if tuple(capacity_at) != tuple(capacity) or not isinstance(marks, dict):
+        return None
+    return dict(marks)
 
 
 def read_snapshot(datadir: DataDir, capacity: Capacity) -> CacheState:
@@ -89,14 +116,7 @@ def read_snapshot(datadir: DataDir, capacity: Capacity) -> CacheState:
     start = len(SNAPSHOT_MAGIC)
     if data[:start] != SNAPSHOT_MAGIC:
         raise ValueError(f"{datadir.snapshot} is not a view snapshot")
-    (length,) = _LENGTH.unpack_from(data, start)
-    exported = marshal.loads(data[start + _LENGTH.size + length:])
+    length = _HEADER.unpack_from(data, start)[3]
+    exported: Any = marshal.loads(data[start + _HEADER.size + length:])
     return CacheState.from_export(capacity, exported)
-
-
-def _header(file: BinaryIO) -> Any:
-    if file.read(len(SNAPSHOT_MAGIC)) != SNAPSHOT_MAGIC:
-        return None
-    (length,) = _LENGTH.unpack(file.read(_LENGTH.size))
-    return marshal.loads(file.read(length))
 

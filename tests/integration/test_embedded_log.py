@@ -371,3 +371,42 @@ def test_a_full_disk_refuses_writes_it_cannot_keep_and_goes_on_when_there_is_roo
         live = again.settled_digest()
         assert _rebuild(again.bootstrap(), tmp_path / "rebuilt") == live
         again.stop(signal.SIGTERM)
+
+
+def test_a_damaged_record_with_records_after_it_refuses_the_start_in_one_line(serve, tmp_path):
+    """A kill leaves a torn tail, which is cut; a record damaged in the middle of a file
+    is not a kill's doing, and cutting there would drop acknowledged records: `serve`
+    refuses to start, in one line naming the file, the byte and what to do, and changes
+    nothing."""
+    from stream.kafka.embedded_log import EmbeddedLog, mapped, scan
+    from tests.integration.test_cli_messages import mmcache
+
+    first = serve()
+    for i in range(20):
+        status, _ = http("POST", first.url + "/v1/placements", {
+            "request_id": f"r-{i}", "endpoints": ["ns/pod-0"],
+            "items": [{"hash": f"h-{i}", "size": 1, "modality": "image"}]})
+        assert status == 202
+    assert first.stop(signal.SIGTERM) == 0
+    root = tmp_path / "data" / "v1" / "log"
+    files = EmbeddedLog(root)
+    events = next(name for name, spec in files.topics().items() if name.endswith("-events"))
+    path = next(p for p in sorted((root / events).glob("*.log")) if p.stat().st_size)
+    with mapped(path) as data:
+        frames, _ = scan(data)
+    assert len(frames) >= 3
+    damaged = bytearray(path.read_bytes())
+    damaged[frames[1].end - 1] ^= 0xFF  # the second record's last byte: its CRC no longer holds
+    path.write_bytes(bytes(damaged))
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    result = mmcache("serve", "--host", "127.0.0.1", "--port", str(free_port()), "--data-dir",
+                     str(tmp_path / "data"), cwd=tmp_path, timeout=READY_TIMEOUT_S)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    refusals = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(refusals) == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == refusals[0]  # the last word, one line
+    at = frames[1].start
+    assert str(path) in refusals[0] and f"byte {at}" in refusals[0]
+    assert f"truncate -s {at} {path}" in refusals[0]
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before

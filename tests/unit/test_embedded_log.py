@@ -7,12 +7,14 @@ import pytest
 
 from stream.core.lru import Entry
 from stream.kafka.embedded_log import (
+    CorruptLog,
     EmbeddedLog,
     LogRecord,
     applied_prefix,
     encode_frame,
     is_log_entry,
     read_frames,
+    scan,
 )
 from stream.kafka.log_cleaner import Retention, compact
 from stream.state.store import APPLIED_KEY, admit_changelog, applied_at, encode_applied, encode_entry
@@ -36,11 +38,69 @@ def test_a_torn_last_frame_is_left_out(cut):
     assert read_frames(whole + last[:-cut]) == (RECORDS[:2], len(whole))
 
 
-def test_a_corrupt_frame_ends_the_file():
+def _damaged(where: str) -> bytes:
+    """The three records with the second one damaged: in its body (a wrong CRC) or in its
+    length (the reader loses its place)."""
     frames = [encode_frame(r) for r in RECORDS]
     broken = bytearray(frames[1])
-    broken[-1] ^= 0xFF
-    assert read_frames(frames[0] + bytes(broken) + frames[2])[0] == RECORDS[:1]
+    broken[-1 if where == "body" else 3] ^= 0xFF
+    return frames[0] + bytes(broken) + frames[2]
+
+
+@pytest.mark.parametrize("where", ["body", "length"])
+def test_a_damaged_frame_with_whole_frames_after_it_is_refused_not_cut(where):
+    data = _damaged(where)
+    at = len(encode_frame(RECORDS[0]))
+    with pytest.raises(CorruptLog) as refused:
+        read_frames(data)
+    assert (refused.value.at, refused.value.following, refused.value.next_offset) == (
+        at, at + len(encode_frame(RECORDS[1])), 2)
+    with pytest.raises(CorruptLog):
+        scan(data)
+
+
+@pytest.mark.parametrize("where", ["body", "length"])
+def test_a_damaged_last_frame_is_a_torn_tail_and_left_out(where):
+    frames = [encode_frame(r) for r in RECORDS]
+    broken = bytearray(frames[2])
+    broken[-1 if where == "body" else 3] ^= 0xFF
+    assert read_frames(frames[0] + frames[1] + bytes(broken)) == (RECORDS[:2], len(frames[0] + frames[1]))
+
+
+def _one_partition(tmp_path, topic: str = "app-events") -> EmbeddedLog:
+    files = EmbeddedLog(tmp_path / "log")
+    files.create("mmcache-embedded-tansu-0123456789abcdef")
+    files.record_topics({topic: (1, {"cleanup.policy": "delete"})})
+    return files
+
+
+def test_opening_a_damaged_file_for_append_refuses_naming_file_byte_and_what_to_do(tmp_path):
+    files = _one_partition(tmp_path)
+    path = files.partition_path("app-events", 0)
+    path.write_bytes(_damaged("body"))
+    before = path.read_bytes()
+    for read in (lambda: files.open_for_append("app-events", 0), lambda: files.records("app-events", 0)):
+        with pytest.raises(CorruptLog) as refused:
+            read()
+        message = str(refused.value)
+        at = len(encode_frame(RECORDS[0]))
+        assert str(path) in message and f"byte {at}" in message and f"truncate -s {at} {path}" in message
+        assert "\n" not in message
+        assert path.read_bytes() == before  # nothing cut
+
+
+def test_compaction_refuses_a_damaged_file_and_rewrites_nothing(tmp_path):
+    files = EmbeddedLog(tmp_path / "log")
+    files.create("mmcache-embedded-tansu-0123456789abcdef")
+    files.record_topics({"app-events": (1, {}), "app-lru-changelog": (1, {})},
+                        changelogs={"app-lru-changelog": "app-events"})
+    path = files.partition_path("app-events", 0)
+    path.write_bytes(_damaged("body"))
+    before = {p: p.read_bytes() for p in (tmp_path / "log").rglob("*.log")}
+    with pytest.raises(CorruptLog, match=str(path)):
+        compact(files, applied_at, admit_changelog, lambda partition: -1, Retention(1, 1), 2**62)
+    assert {p: p.read_bytes() for p in (tmp_path / "log").rglob("*.log")} == before
+    assert not list((tmp_path / "log").rglob("*.compacting"))
 
 
 def test_opening_for_append_cuts_a_torn_tail_and_resumes_at_the_next_offset(tmp_path):

@@ -127,3 +127,44 @@ def test_a_keeper_whose_fold_failed_part_way_says_its_view_is_not_stored():
     keeper.apply_batch(key_partition(b"ns/pod-0", 1), [SimpleNamespace(offset=0, key=b"ns/pod-0",
                                                                      value=encode_event(event))])
     assert not keeper.view_is_stored  # a clean stop leaves no snapshot of it
+
+
+def _taken_from_files(datadir: DataDir, caplog) -> bool:
+    """Whether the next start read the partition files (not the snapshot), had the same
+    view, and dropped the snapshot."""
+    with caplog.at_level(logging.INFO, logger="stream.state.preload"):
+        preload = _preload(datadir)
+    return ("from partitions [0, 1, 2]" in caplog.text and preload.state is not None
+            and preload.state.digest() == fold(_scenario()).digest() and not datadir.snapshot.exists())
+
+
+def test_a_snapshot_another_marshal_version_wrote_is_no_snapshot(tmp_path, caplog, monkeypatch):
+    from stream.state import snapshot
+
+    datadir = written_datadir(tmp_path, _scenario())
+    monkeypatch.setattr(snapshot.marshal, "version", snapshot.marshal.version + 1)  # another Python's
+    assert write_snapshot(datadir, fold(_scenario()))
+    monkeypatch.undo()
+    assert _taken_from_files(datadir, caplog)
+
+
+def test_a_snapshot_of_another_format_is_no_snapshot(tmp_path, caplog, monkeypatch):
+    from stream.state import snapshot
+
+    datadir = written_datadir(tmp_path, _scenario())
+    monkeypatch.setattr(snapshot, "FORMAT", snapshot.FORMAT + 1)  # a later mmcache's
+    assert write_snapshot(datadir, fold(_scenario()))
+    monkeypatch.undo()
+    datadir.refuse_foreign()  # still mmcache's own file
+    assert _taken_from_files(datadir, caplog)
+
+
+@pytest.mark.parametrize("where", ["header", "view"])
+def test_a_snapshot_whose_crc_does_not_match_is_no_snapshot(tmp_path, caplog, where):
+    datadir = written_datadir(tmp_path, _scenario())
+    assert write_snapshot(datadir, fold(_scenario()))
+    data = bytearray(datadir.snapshot.read_bytes())
+    at = len(data) - 3 if where == "view" else data.index(b"41") + 1  # a Faust offset mark: 41 -> 40
+    data[at] ^= 0x01
+    datadir.snapshot.write_bytes(bytes(data))
+    assert _taken_from_files(datadir, caplog)

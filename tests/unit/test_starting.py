@@ -4,6 +4,7 @@ progress, and what clients may hold of it bounded (connections, time to send a h
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 
 import orjson
@@ -38,6 +39,8 @@ def test_probes_get_alive_and_not_ready_with_the_reason():
     assert ready.startswith(b"HTTP/1.1 503 ")
     assert orjson.loads(ready.split(b"\r\n\r\n", 1)[1])["reason"] == "compacting the embedded broker's kept log"
     assert match.startswith(b"HTTP/1.1 503 ") and b'"starting"' in match and b"Retry-After: 1\r\n" in match
+    assert all(re.search(rb"\r\nDate: \w{3}, \d{2} \w{3} \d{4} [\d:]{8} GMT\r\n", answer)
+               for answer in (health, ready, match))  # RFC 9110 section 6.6.1, as the API's answers
 
 
 async def _connect(port: int) -> socket.socket:

@@ -31,7 +31,6 @@ import logging
 import ssl
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -153,8 +152,9 @@ class EngineEventReporter:
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
         context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
-        self._opener = urllib.request.build_opener(_RefuseRedirects(),
-                                                   urllib.request.HTTPSHandler(context=context))
+        from .transport import EventsConnection  # here: the import block is another change's
+
+        self._connection = EventsConnection(config.events_url, config.timeout_s, context)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmcache-vllm-reporter", daemon=True)
 
@@ -361,25 +361,17 @@ class EngineEventReporter:
         (never the token). Only 202 means mmcache took it."""
         body = json.dumps({"endpoint": self.config.endpoint, "engine": "vllm", "events": _events(batch)},
                           separators=(",", ":")).encode()
-        request = urllib.request.Request(self.config.events_url, data=body, headers=self._headers,
-                                         method="POST")
-        try:
-            with self._opener.open(request, timeout=self.config.timeout_s) as answer:
-                answer.read(MAX_ANSWER_BYTES)
-                status = answer.status
-                return status, f"HTTP {status}" if status == 202 else f"HTTP {status}, not mmcache's 202"
-        except urllib.error.HTTPError as exc:
-            if 300 <= exc.code < 400:
-                location = str(exc.headers.get("Location"))[:200]
-                return exc.code, f"HTTP {exc.code} to {location!r}, not followed"
-            try:
-                detail = exc.read(300).decode(errors="replace").strip()
-            except Exception:  # the answer was cut off: its status says enough
-                detail = ""
-            return exc.code, f"HTTP {exc.code} {detail}".strip()
+        try:  # over one kept-alive connection (``transport``); a 3xx is never followed
+            answer = self._connection.post(body, self._headers, MAX_ANSWER_BYTES)
         except Exception as exc:  # refused, reset, timed out, bad status line, TLS
             reason = getattr(exc, "reason", None)
             return None, f"{type(exc).__name__}: {reason if reason is not None else exc}"
+        status = answer.status
+        if 300 <= status < 400:
+            return status, f"HTTP {status} to {str(answer.location)[:200]!r}, not followed"
+        if status < 300:
+            return status, f"HTTP {status}" if status == 202 else f"HTTP {status}, not mmcache's 202"
+        return status, f"HTTP {status} {answer.body[:300].decode(errors='replace').strip()}".strip()
 
     def _log_errors(self) -> None:
         if self._scheduler_errors != self._reported_errors:
