@@ -144,7 +144,7 @@ def _state_digest(args: argparse.Namespace) -> None:
 
     if not args.data_dir.is_dir():
         raise SystemExit(f"--data-dir {args.data_dir}: no such directory")
-    print(DataDir(args.data_dir).load_state().digest())
+    print(DataDir(args.data_dir).load_state().digests.digest())
 
 
 def _bench(args: argparse.Namespace) -> None:
