@@ -711,11 +711,11 @@ def test_merge_adds_the_endpoints_of_a_state_of_other_partitions():
     first, second = CacheState(capacity), CacheState(capacity)
     first.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
     second.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
-                 Position(1, 9))
+                      Position(1, 9))
     whole = CacheState(capacity)
     whole.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
     whole.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
-                Position(1, 9))
+                     Position(1, 9))
     first.merge(second)
     assert first.digests.digest() == whole.digests.digest()
     assert first.index.holders == {"a": {"e", "f"}, "b": {"f"}}
@@ -736,7 +736,7 @@ def test_merge_refuses_overlapping_partitions_and_other_capacities():
 def test_export_then_from_export_gives_the_same_state():
     state = CacheState(Capacity("size", 10))
     state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 4, "audio")]),
-                Position(2, 5))
+                     Position(2, 5))
     state.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 3, "image")]), Position(1, 0))
     copy = CacheState.from_export(state.lrus.capacity, state.loading.export())
     assert copy.digests.digest() == state.digests.digest()
@@ -814,7 +814,7 @@ def test_every_mutation_path_makes_its_endpoint_pending():
     state = _filled(2, 4)
     changes = [
         lambda: state.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("x", 1, "image")]),
-                            Position(0, 10)),
+                                 Position(0, 10)),
         lambda: state.fold.apply(EndpointDeleted(endpoint="ns/pod-1"), Position(0, 11)),
         lambda: state.fold.apply(EndpointsSynced(live=["ns/other"]), Position(0, 12)),
         lambda: state.fold.follow(1, "ns/f", "y", 2),
@@ -878,7 +878,7 @@ def test_hashes_and_names_are_stored_once_whatever_carried_them():
     state.fold.apply(decode_event(raw), Position(0, 0))
     state.fold.apply(decode_event(raw), Position(0, 1))
     state.fold.apply(ItemsPlaced(endpoint=fresh("ns/b"), items=[Item(fresh("h" * 64), 1, "image")]),
-                Position(1, 0))
+                     Position(1, 0))
     state.fold.follow(2, fresh("ns/c"), fresh("h" * 64), 1)
     state.loading.restore_lru(3, fresh("ns/d"), [(fresh("h" * 64), 1)])
     state.loading.replace_lru(4, fresh("ns/e"), [(fresh("h" * 64), 1)])

@@ -179,7 +179,7 @@ def test_an_until_time_before_a_kept_event_under_the_checkpoint_is_refused_namin
 def test_a_checkpoint_made_at_a_larger_capacity_is_refused_naming_it():
     state = CacheState(Capacity("items", 4))
     effects = state.fold.apply(ItemsPlaced(endpoint="ns/a", items=[Item(f"h{i}", 1, "image")
-                                                              for i in range(4)]), Position(0, 0))
+                                                                   for i in range(4)]), Position(0, 0))
     reader = CheckpointReader(end=1)
     reader.feed(SimpleNamespace(key=k, value=v) for k, v in effect_records(effects, 0))
     refuse_over_capacity(reader, Capacity("items", 4), CHANGELOG)

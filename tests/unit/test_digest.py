@@ -116,7 +116,7 @@ def test_under_continuous_writes_the_call_ends_unsettled_within_its_bound(monkey
         while not done.is_set():
             for e in range(40):
                 state.fold.apply(ItemsPlaced(endpoint=f"ns/pod-{e:04d}", items=[Item("w", 1, "image")]),
-                            Position(0, next(offsets)))
+                                 Position(0, next(offsets)))
             await asyncio.sleep(0)
 
     async def run():

@@ -254,7 +254,7 @@ def test_a_wide_match_answers_as_a_narrow_one(mode):
             state.fold.apply(report(name, stored("h1", f"x{offset}")), Position(0, 100 + 2 * offset))
         if offset % 2 == 0:
             state.fold.apply(ItemsPlaced(endpoint=name, items=[Item("h2", 2, "image")]),
-                        Position(0, 101 + 2 * offset))
+                             Position(0, 101 + 2 * offset))
     assert len(state.lrus.engine.views) == 102
     api, _ = make(state, match_source=mode)
     asked = ASKED + names

@@ -152,8 +152,9 @@ def test_a_redelivered_report_changes_nothing():
 def test_the_effects_say_the_views_changes_in_the_folds_order():
     state = CacheState(CAPACITY, 4)
     state.fold.apply(report("e", stored("b", "c")), Position(0, 8))
-    effects = state.fold.apply(report("e", stored("a"), EngineItemsRemoved(hashes=["a", "b"]), stored("a", size=2),
-                                 EngineCleared(), stored("c", "a")), Position(0, 9))
+    effects = state.fold.apply(report("e", stored("a"), EngineItemsRemoved(hashes=["a", "b"]),
+                                      stored("a", size=2), EngineCleared(), stored("c", "a")),
+                               Position(0, 9))
     assert views(state) == {"e": [("c", 1), ("a", 1)]}
     # net: once per key, every entry left stored in the order of its last store, then removals
     assert effects.engine == [EngineChange("e", "c", 1, 9, 2), EngineChange("e", "a", 1, 9, 3),

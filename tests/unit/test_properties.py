@@ -430,11 +430,11 @@ def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
     names = sorted(state.lrus.endpoints)
     for name, other in zip(names, names[1:] + names[:1], strict=True):
         swapped.loading.replace_lru(state.lrus.endpoints[name].partition, name,
-                            list(state.lrus.endpoints[other].entries.items()))
+                                    list(state.lrus.endpoints[other].entries.items()))
         check_compact(swapped, 2)
     for name in names:
         swapped.loading.replace_lru(state.lrus.endpoints[name].partition, name,
-                            list(state.lrus.endpoints[name].entries.items()))
+                                    list(state.lrus.endpoints[name].entries.items()))
     check_compact(swapped, 2)
     assert swapped.index.holders == state.index.holders
     requested = data.draw(st.lists(st.sampled_from(CROWD.endpoints), unique=True), label="requested")

@@ -35,7 +35,7 @@ def test_rendered_answer_equals_the_domain_answer(placements, asked, endpoints):
     state = CacheState(Capacity.from_params(6))
     for offset, (name, hashes) in enumerate(placements):
         state.fold.apply(ItemsPlaced(endpoint=name, items=[Item(h, 1, "image") for h in hashes]),
-                    Position(0, offset))
+                         Position(0, offset))
     items = [Item(h, size, "video") for h, size in asked]
     rendered = orjson.loads(render_match(items, *state.index.hits(items, endpoints)))
     expected = as_json({"request_items": items, "endpoints": estimates(state.index.match(items, endpoints))})
