@@ -733,6 +733,34 @@ def test_merge_refuses_overlapping_partitions_and_other_capacities():
         CacheState(Capacity("size", 4)).merge(state)
 
 
+def test_a_state_holds_its_parts_and_has_no_pass_through_methods():
+    """Callers use the parts (issue 32): a state's own methods are those that take more
+    than one part at once, so nothing can be done in two ways."""
+    state = CacheState(Capacity("items", 4))
+    public = {name for name in dir(state) if not name.startswith("_")}
+    assert public == {"lrus", "fold", "index", "loading", "digests", "from_export", "merge"}
+    assert all(part.lrus is state.lrus for part in (state.fold, state.index, state.loading, state.digests))
+
+
+def test_merge_takes_the_digests_with_the_lrus():
+    """Why ``merge`` is the state's and not ``Loading``'s: the LRUs merged alone are never
+    hashed into the sliced digest, which then differs from the digest of the whole."""
+    capacity = Capacity("items", 4)
+    first, second = CacheState(capacity), CacheState(capacity)
+    first.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    second.fold.apply(ItemsPlaced(endpoint="f", items=[Item("b", 1, "image")]), Position(1, 0))
+    alone = CacheState(capacity)
+    alone.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    alone.loading.merge(CacheState.from_export(capacity, second.loading.export()).lrus)
+    first.merge(second)
+    for state in (first, alone):
+        state.digests.start_round()
+        while not state.digests.refresh(100):
+            pass
+    assert first.digests.latest() == first.digests.digest() == alone.digests.digest()
+    assert alone.digests.latest() != alone.digests.digest()
+
+
 def test_export_then_from_export_gives_the_same_state():
     state = CacheState(Capacity("size", 10))
     state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 4, "audio")]),
