@@ -880,7 +880,8 @@ def test_an_endpoint_changed_while_hashed_half_way_is_hashed_again():
 def test_combined_digest_from_cache_equals_combine_digests_of_endpoint_digests():
     state = _filled(7, 3)
     _settle(state, 2)
-    assert state.digests.cached() == combine_digests(state.digests.endpoint_digests()) == state.digests.digest()
+    digests = state.digests
+    assert digests.cached() == combine_digests(digests.endpoint_digests()) == digests.digest()
 
 
 def test_summary_ranks_by_items_then_name_for_any_limit():
@@ -924,7 +925,8 @@ def test_placing_an_item_whose_stale_index_entry_names_the_endpoint_heals_it():
     placed = iter(range(100))
 
     def place(endpoint: str, digest: str) -> None:
-        state.fold.apply(ItemsPlaced(endpoint=endpoint, items=[Item(digest, 1, "image")]), Position(0, next(placed)))
+        state.fold.apply(ItemsPlaced(endpoint=endpoint, items=[Item(digest, 1, "image")]),
+                         Position(0, next(placed)))
 
     place("a", "h0")
     place("b", "h0")

@@ -157,15 +157,17 @@ def observed(state: Any, queries: list[tuple[list[Item], list[str]]], budget: in
     state.digests.start_round()
     while not state.digests.refresh(budget):
         rounds += 1
-    restored = type(state)(state.lrus.capacity)
-    for partition, applied in state.lrus.applied.items():
-        restored.loading.restore(partition, applied, [entry for p, entry in state.loading.entries() if p == partition])
+    lrus = state.lrus
+    restored = type(state)(lrus.capacity)
+    for partition, applied in lrus.applied.items():
+        restored.loading.restore(partition, applied,
+                                 [entry for p, entry in state.loading.entries() if p == partition])
     return {
-        "entries": {name: list(cache.entries.items()) for name, cache in state.lrus.endpoints.items()},
-        "partitions": {name: cache.partition for name, cache in state.lrus.endpoints.items()},
-        "weights": {name: cache.weight for name, cache in state.lrus.endpoints.items()},
+        "entries": {name: list(cache.entries.items()) for name, cache in lrus.endpoints.items()},
+        "partitions": {name: cache.partition for name, cache in lrus.endpoints.items()},
+        "weights": {name: cache.weight for name, cache in lrus.endpoints.items()},
         "holders": {digest: sorted(names) for digest, names in state.index.holders.items()},
-        "applied": state.lrus.applied,
+        "applied": lrus.applied,
         "digest": state.digests.digest(),
         "sliced digest": (state.digests.cached(), rounds),
         "summary": [tuple(row) for row in state.index.summary(3)],
@@ -173,7 +175,8 @@ def observed(state: Any, queries: list[tuple[list[Item], list[str]]], budget: in
         "match": [[{**m, "matched_items": items_as_tuples(m["matched_items"])}
                    for m in state.index.match(items, endpoints)] for items, endpoints in queries],
         "entries()": [(partition, tuple(entry)) for partition, entry in state.loading.entries()],
-        "restored": (restored.digests.digest(), {name: list(c.entries.items()) for name, c in restored.lrus.endpoints.items()}),
+        "restored": (restored.digests.digest(),
+                     {name: list(c.entries.items()) for name, c in restored.lrus.endpoints.items()}),
     }
 
 
