@@ -141,7 +141,7 @@ def _state_digest(args: argparse.Namespace) -> None:
           f"(its own and those it follows): the two are equal when these are all of them (one "
           f"worker, or every worker's --data-dir), stopped after applying the log's end.",
           file=sys.stderr)
-    print(state.digest())
+    print(state.digests.digest())
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -137,7 +137,7 @@ class Metrics:
 
     def record_match(self, items: Sequence[Item], found: Mapping[str, list[Item]]) -> None:
         """Count a match request's queried items and every (endpoint, item) hit;
-        ``found`` maps the endpoints that hold items to those items (``CacheState.hits``)."""
+        ``found`` maps the endpoints that hold items to those items (``Index.hits``)."""
         if items:
             self.record_queries(items, self.count_hits(found))
 
@@ -199,7 +199,7 @@ class Metrics:
             "encoder_cache_hits", "Matched (endpoint, item) pairs, by pod and modality; a pod's "
             "series goes when the pod is deleted or synced away", labels=["pod", "modality"]
         )
-        live, views = self._state.endpoints, self._state.engine.views
+        live, views = self._state.lrus.endpoints, self._state.lrus.engine.views
         for key in [key for key in self._hits if key[0] not in live and key[0] not in views]:
             del self._hits[key]  # its LRU and view were dropped: a pod label lives as long as the pod
         for (pod, modality), count in self._hits.items():
@@ -253,12 +253,12 @@ class Metrics:
                                 {(route,): timer for route, timer in self._timers.items()},
                                 ["route"])
         yield GaugeMetricFamily(
-            "mmcache_endpoints", "Endpoints with entries", value=len(self._state.endpoints)
+            "mmcache_endpoints", "Endpoints with entries", value=len(self._state.lrus.endpoints)
         )
         yield GaugeMetricFamily(
             "mmcache_entries",
             "LRU entries over all endpoints",
-            value=sum(len(c.entries) for c in self._state.endpoints.values()),
+            value=sum(len(c.entries) for c in self._state.lrus.endpoints.values()),
         )
         yield GaugeMetricFamily(
             "mmcache_engine_views", "Endpoints that report their own cache (engine views)",
@@ -269,7 +269,7 @@ class Metrics:
         yield CounterMetricFamily(
             "mmcache_engine_view_bound_drops", "Engine view entries this worker's fold dropped "
             "because a view held MMCACHE_ENGINE_VIEW_MAX_ENTRIES (its engine still holds them: "
-            "raise the bound)", value=self._state.engine.bound_drops)
+            "raise the bound)", value=self._state.lrus.engine.bound_drops)
 
 
 def _http_server_families(server: Any) -> Iterator[Metric]:

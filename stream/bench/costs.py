@@ -34,13 +34,13 @@ MATCH_STAGES = {
     "orjson_loads": "the floor: orjson.loads of the body alone (also inside read_match)",
     "read_match": "body parse and checks (stream.http.models.read_match)",
     "extract_items": "item extraction (stream.core.items.extract_items)",
-    "hits": "index walk (CacheState.hits)",
+    "hits": "index walk (Index.hits)",
     "record_match": "metrics (Metrics.record_match)",
     "render_match": "the answer (stream.core.render.render_match)",
 }
 INGEST_STAGES = {
     "decode_event": "decoding a placement record of the log (stream.core.codec.decode_event)",
-    "apply": "the fold (CacheState.apply) into the full state",
+    "apply": "the fold (Fold.apply) into the full state",
 }
 _FLOOR = "orjson_loads"  # inside read_match: not added to the total again
 
@@ -67,14 +67,15 @@ def match_costs(state: CacheState, bodies: list[bytes], passes: int) -> dict[str
             raise ValueError(f"not a valid match body: {raw[:80]!r}")
         queries.append(query)
     items = [extract_items(body) for _, body in queries]
-    hits = [state.hits(request, endpoints) for request, (endpoints, _) in zip(items, queries, strict=True)]
+    hits = [state.index.hits(request, endpoints)
+            for request, (endpoints, _) in zip(items, queries, strict=True)]
     pairs = list(zip(items, hits, strict=True))
     loads = orjson.loads
     stages: dict[str, Callable[[], Any]] = {
         "orjson_loads": lambda: [loads(raw) for raw in bodies],
         "read_match": lambda: [read_match(raw, limits) for raw in bodies],
         "extract_items": lambda: [extract_items(body) for _, body in queries],
-        "hits": lambda: [state.hits(request, endpoints)
+        "hits": lambda: [state.index.hits(request, endpoints)
                          for request, (endpoints, _) in zip(items, queries, strict=True)],
         "record_match": lambda: [metrics.record_match(request, found) for request, (_, found) in pairs],
         "render_match": lambda: [render_match(request, requested, found)
@@ -92,7 +93,7 @@ def ingest_costs(state: CacheState, events: int, passes: int) -> dict[str, float
     would be skipped, not folded.
     """
     source = Workload(seed=13).placed_events(events * passes)
-    offset = state.applied.get(0, -1) + 1
+    offset = state.lrus.applied.get(0, -1) + 1
     timings: dict[str, list[float]] = {name: [] for name in INGEST_STAGES}
     for _ in range(passes):
         records = [encode_event(next(source)) for _ in range(events)]
@@ -102,7 +103,7 @@ def ingest_costs(state: CacheState, events: int, passes: int) -> dict[str, float
         decoded = [decode_event(raw) for raw in records]
         between = time.perf_counter_ns()
         for event, position in zip(decoded, positions, strict=True):
-            state.apply(event, position)
+            state.fold.apply(event, position)
         ended = time.perf_counter_ns()
         timings["decode_event"].append((between - started) / events / 1000)
         timings["apply"].append((ended - between) / events / 1000)

@@ -132,7 +132,7 @@ def match_embedded_figures(events: int, seconds: int, runs: int) -> list[Figure]
             worker.wait_ready(120)
             asyncio.run(produce_placements(_bootstrap(worker), "mmcache-events", events))
             state = full_state(CacheState(Capacity.from_params()), events)
-            entries = sum(len(lru.entries) for lru in state.endpoints.values())
+            entries = sum(len(lru.entries) for lru in state.lrus.endpoints.values())
             deadline = time.monotonic() + 600
             while worker.metric("mmcache_entries") < entries:
                 if time.monotonic() > deadline:

@@ -46,7 +46,9 @@ from stream.bench.stacks import LOAD_CORE, SERVER_CORE, busy_rate, wrk_ms, wrk_p
 from stream.bench.workload import Workload
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
+from stream.core.engine import ENGINE_VIEW_ENTRIES
 from stream.core.events import Position
+from stream.core.index import Index
 from stream.core.items import Item
 from stream.http.api import HttpApi
 from stream.http.server import HttpServer
@@ -54,10 +56,11 @@ from stream.kafka.embedded import free_port
 from stream.kafka.publisher import EventPublisher
 from stream.metrics import Metrics
 
-__all__ = ["ReferenceState", "match_figures", "request_bodies", "wrk_paced_latency", "wrk_rate"]
+__all__ = ["ReferenceIndex", "ReferenceState", "match_figures", "request_bodies", "wrk_paced_latency",
+           "wrk_rate"]
 
 
-class ReferenceState(CacheState):
+class ReferenceIndex(Index):
     """The reference plugin's lookup: each candidate endpoint's own LRU is asked for
     each request item (a per-endpoint map), instead of the inverted index."""
 
@@ -65,12 +68,21 @@ class ReferenceState(CacheState):
         """Ask each endpoint's LRU about each item."""
         requested = list(dict.fromkeys(endpoints))
         found = {}
+        lrus = self.lrus.endpoints
         for name in requested:
-            lru = self.endpoints.get(name)
+            lru = lrus.get(name)
             matched = [item for item in items if lru is not None and _contains(lru.entries, item)]
             if matched:
                 found[name] = matched
         return requested, found
+
+
+class ReferenceState(CacheState):
+    """A state whose queries are the reference plugin's (``ReferenceIndex``)."""
+
+    def __init__(self, capacity: Capacity, engine_entries: int = ENGINE_VIEW_ENTRIES) -> None:
+        super().__init__(capacity, engine_entries)
+        self.index = ReferenceIndex(self.lrus)
 
 
 def _contains(entries: Any, item: Item) -> bool:
@@ -81,13 +93,13 @@ def _contains(entries: Any, item: Item) -> bool:
 def full_state(state: CacheState, events: int) -> CacheState:
     """Fill ``state`` from the workload (1,000 endpoints x 1,024 entries at 600k events)."""
     for offset, event in enumerate(Workload().placed_events(events)):
-        state.apply(event, Position(0, offset))
+        state.fold.apply(event, Position(0, offset))
     return state
 
 
 def request_bodies(state: CacheState, count: int) -> list[bytes]:
     """Match requests of the workload: 64 endpoints, 8 items, half of them held."""
-    workload, held = Workload(seed=11), list(state.holders)
+    workload, held = Workload(seed=11), list(state.index.holders)
     return [orjson.dumps(workload.match_body(held)) for _ in range(count)]
 
 
@@ -223,8 +235,8 @@ def match_figures(events: int, seconds: int, runs: int, latency_seconds: int = 1
             requests = bodies.read_bytes().splitlines()
             answer = urllib.request.urlopen(urllib.request.Request(service.url, data=requests[0])).read()
             Path(f"{bodies}.answer").write_bytes(answer)
-            keys, lookups = index_keys(requests, state.holders)
-            load_index(redis_server.start(), state.holders, keys)
+            keys, lookups = index_keys(requests, state.index.holders)
+            load_index(redis_server.start(), state.index.holders, keys)
             Path(f"{bodies}.keys").write_bytes(orjson.dumps(keys))
             servers["stack"] = Server("stack", events, bodies)
             servers["control"] = Server("control", events, bodies)

@@ -1,7 +1,7 @@
 """Redis as two controls of the match benchmark, over the service's own reverse index.
 
 The index is loaded as one Redis set per item hash whose members are the endpoints
-holding it (``CacheState.holders``). Sets are named ``h:`` plus a 12-digit number, the
+holding it (``Index.holders``). Sets are named ``h:`` plus a 12-digit number, the
 form ``redis-benchmark -r`` draws keys in: the hashes named by the benchmark's request
 bodies take the numbers from 0 in order of first appearance, the other held hashes
 follow, so drawing from ``0..lookups-1`` asks for the bodies' hashes, held and absent

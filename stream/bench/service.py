@@ -228,7 +228,7 @@ def restart_figures(bootstrap: str, events: int, runs: int = 1) -> tuple[list[Fi
 def footprint_figures(data: Path, events: int) -> list[Figure]:
     """Disk per entry of a stopped worker's compacted files; memory per entry of the view."""
     datadir = DataDir(data)
-    entries = sum(len(c.entries) for c in datadir.load_state().endpoints.values())
+    entries = sum(len(c.entries) for c in datadir.load_state().lrus.endpoints.values())
     for partition in datadir.partitions():
         db = datadir.open_partition(partition)
         db.compact_range(None, None)
@@ -242,10 +242,10 @@ def footprint_figures(data: Path, events: int) -> list[Figure]:
     tracemalloc.start()
     state = CacheState(Capacity.from_params())
     for offset, record in enumerate(records):
-        state.apply(decode_event(record), Position(0, offset))
+        state.fold.apply(decode_event(record), Position(0, offset))
     view = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    held = sum(len(c.entries) for c in state.endpoints.values())
+    held = sum(len(c.entries) for c in state.lrus.endpoints.values())
     return [
         Figure("disk_per_entry", round(disk / entries, 1), "B", "<= 60 B after compaction",
                disk / entries <= 60, note=f"{entries:,} entries, RocksDB files of all partitions"),

@@ -66,11 +66,11 @@ def bench_inputs(directory: Path, events: int = 600_000, count: int = 500) -> tu
     both paths. The answer's bytes are what the bare handlers send back."""
     state = CacheState(Capacity.from_params())
     for offset, event in enumerate(Workload().placed_events(events)):
-        state.apply(event, Position(0, offset))
-    workload, held = Workload(seed=11), list(state.holders)
+        state.fold.apply(event, Position(0, offset))
+    workload, held = Workload(seed=11), list(state.index.holders)
     queries = [workload.match_body(held) for _ in range(count)]
     items = extract_items(queries[0]["body"])
-    requested, found = state.hits(items, queries[0]["endpoints"])
+    requested, found = state.index.hits(items, queries[0]["endpoints"])
     bodies, answer = directory / "bodies.jsonl", directory / "answer.json"
     bodies.write_bytes(b"\n".join(map(orjson.dumps, queries)))
     answer.write_bytes(render_match(items, requested, found))

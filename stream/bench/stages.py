@@ -76,7 +76,7 @@ COPIES = {"reference": reference_module, "compiled": importlib.import_module}
 
 def stage_costs(events: int = 600_000, requests: int = 1_000, passes: int = 15,
                 ingest_events: int = 10_000, ingest_passes: int = 5) -> list[StageCost]:
-    """The match stages of both copies, then ``CacheState.apply`` (which changes the
+    """The match stages of both copies, then ``Fold.apply`` (which changes the
     states, so it comes last), with the loaded states frozen out of the collector's
     reach as the worker freezes its view."""
     modules = {copy: [load(f"stream.core.{name}") for name in ("items", "cache", "render")]
@@ -96,17 +96,17 @@ def stage_costs(events: int = 600_000, requests: int = 1_000, passes: int = 15,
         gc.unfreeze()
     return [*(StageCost(stage, match[f"{stage}/reference"], match[f"{stage}/compiled"])
               for stage in per_copy["compiled"]),
-            StageCost("CacheState.apply", apply["reference"], apply["compiled"])]
+            StageCost("Fold.apply", apply["reference"], apply["compiled"])]
 
 
 def _match_stages(extract_items: Callable[..., Any], state: Any, render_match: Callable[..., Any],
                   queries: list[Any]) -> dict[str, Callable[[], Any]]:
     """One copy's match stages, each fed with what this copy's stage before it gave."""
     asked = [(extract_items(q["body"]), q["endpoints"]) for q in queries]
-    found = [(items, *state.hits(items, endpoints)) for items, endpoints in asked]
+    found = [(items, *state.index.hits(items, endpoints)) for items, endpoints in asked]
     return {
         "extract_items": lambda: [extract_items(q["body"]) for q in queries],
-        "CacheState.hits": lambda: [state.hits(items, endpoints) for items, endpoints in asked],
+        "Index.hits": lambda: [state.index.hits(items, endpoints) for items, endpoints in asked],
         "render_match": lambda: [render_match(*args) for args in found],
     }
 

@@ -54,25 +54,26 @@ def fold_record(state: CacheState, partition: int, offset: int, key: bytes | Non
     redelivery: nothing changes and nothing is to be written again).
 
     Order: redelivery, decoding, routing, then the fold. A fold that raises has applied
-    the position (``CacheState.apply`` advances it first); what it changed in memory
+    the position (``Fold.apply`` advances it first); what it changed in memory
     before raising is not mirrored, so it is reported as ``apply_failed``.
     """
     position = Position(partition, offset)
-    if offset <= state.applied.get(partition, -1):
+    fold = state.fold
+    if offset <= state.lrus.applied.get(partition, -1):
         return None
     try:
         event = decode_event(value)
     except MalformedEvent as exc:
-        state.advance(position)
+        fold.advance(position)
         return Rejected(exc.reason, str(exc))
     wrong = misrouted(event, key, partition, partitions)
     if wrong is not None:
-        state.advance(position)
+        fold.advance(position)
         return Rejected(wrong, f"{event.type} of endpoint {getattr(event, 'endpoint', '')!r}")
     try:
-        effects = state.apply(event, position)
+        effects = fold.apply(event, position)
     except Exception as exc:  # noqa: BLE001 - any failure of one record must not stop the log
-        state.advance(position)
+        fold.advance(position)
         return Rejected("apply_failed", repr(exc))
     assert effects is not None  # the position was checked above
     return Applied(event, effects)

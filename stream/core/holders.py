@@ -74,7 +74,7 @@ def union(first: HeldBy, second: HeldBy) -> HeldBy:
 
 class HolderSets(Mapping[str, frozenset[str]]):
     """A read-only view of an index of compact holders, each value a ``frozenset``: what
-    callers outside the core read (``CacheState.holders``). It compares equal to a dict of
+    callers outside the core read (``Index.holders``). It compares equal to a dict of
     sets with the same names. ``raw`` is the index itself, for the core's own readers."""
 
     __slots__ = ("raw",)

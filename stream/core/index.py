@@ -1,5 +1,5 @@
 """Queries of the LRUs through the inverted index: which requested endpoints hold which
-request items, their scores, and the per-endpoint counts."""
+request items, their scores, the per-endpoint counts, and the index itself, read-only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, TypedDict
 
+from stream.core.holders import HolderSets
 from stream.core.items import Item
 from stream.core.lru import Lrus
 
@@ -43,6 +44,12 @@ class Index:
     def __init__(self, lrus: Lrus) -> None:
         self.lrus = lrus
 
+    @property
+    def holders(self) -> HolderSets:
+        """The inverted index: hash -> endpoints holding it, read-only, each value a
+        frozenset (``lrus.holders`` itself keeps the compact forms of ``stream.core.holders``)."""
+        return HolderSets(self.lrus.holders)
+
     def hits(
         self, items: Sequence[Item], endpoints: Iterable[str]
     ) -> tuple[list[str], dict[str, list[Item]]]:
@@ -71,6 +78,13 @@ class Index:
                     if name in held:
                         found.setdefault(name, []).append(item)
         return list(requested), found
+
+    def match(self, items: Sequence[Item], endpoints: Iterable[str]) -> list[EndpointMatch]:
+        """Score each distinct endpoint, in request order, by the items it holds."""
+        if not items:
+            return []
+        requested, found = self.hits(items, endpoints)
+        return self.scores(items, requested, found)
 
     @staticmethod
     def scores(items: Sequence[Item], requested: list[str],

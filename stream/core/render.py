@@ -29,7 +29,7 @@ _NONE: frozenset[str] = frozenset()
 
 def render_match(items: list[Item], requested: list[str], found: dict[str, list[Item]],
                  engine: Set[str] = _NONE) -> bytes:
-    """The /v1/match answer as JSON bytes, equal to serializing ``CacheState.match`` with
+    """The /v1/match answer as JSON bytes, equal to serializing ``Index.match`` with
     each entry's ``source`` (``engine`` for the names in ``engine``, else ``estimate``).
 
     Most candidates hold none of the request's items and their entries differ only in
@@ -146,7 +146,7 @@ def gather(items: Sequence[Item], held: list[set[str]], found: dict[str, list[It
     """Add to ``found`` the items from ``start`` on, each to the endpoints that hold it,
     until about ``pairs`` pairs were added; return where the next slice starts
     (``len(items)`` when done). Items are taken in request order, so each endpoint's
-    list is in request order too, as ``CacheState.hits`` gives it."""
+    list is in request order too, as ``Index.hits`` gives it."""
     added, index, end = 0, start, len(items)
     while index < end and added < pairs:
         item, holding = items[index], held[index]

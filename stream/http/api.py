@@ -300,8 +300,8 @@ class HttpApi:
 
     def _narrow_match(self, query: MatchQuery) -> Response:
         items = query.items
-        requested, found = self.state.hits(items, query.endpoints)
-        if self.state.engine.views or self.match_source == "engine":
+        requested, found = self.state.index.hits(items, query.endpoints)
+        if self.state.lrus.engine.views or self.match_source == "engine":
             found, engine = self._engine_answer(items, requested, found)
             body = render_match(items, requested, found, engine)
         else:  # nobody reports: the estimate answers, at no extra cost
@@ -314,7 +314,7 @@ class HttpApi:
         """The hits to answer (``found``'s for the estimate's endpoints, the engine views'
         for the others) and the endpoints answered from their engine views; counts the
         estimate's checks against every reporting endpoint's view on the way."""
-        views = self.state.engine
+        views = self.state.lrus.engine
         reporting = set(views.reporting(requested))
         truth = views.hits(items, reporting) if reporting else {}
         if reporting:
@@ -335,7 +335,7 @@ class HttpApi:
         return answer, engine
 
     async def _wide_match(self, items: list[Item], endpoints: list[str]) -> Response:
-        """``render_match`` of ``CacheState.hits``, the same bytes, in slices.
+        """``render_match`` of ``Index.hits``, the same bytes, in slices.
 
         Which requested endpoints hold each item is read at one moment (``held_by``, in
         C); the per-endpoint lists and the answer are then built from that copy in
@@ -347,8 +347,8 @@ class HttpApi:
         joined into one answer.
         """
         requested = list(dict.fromkeys(endpoints))
-        held = held_by(self.state.holders, items, requested)
-        views = self.state.engine
+        held = held_by(self.state.index.holders, items, requested)
+        views = self.state.lrus.engine
         reporting = views.reporting(requested)
         held_truth = held_by(views.holders, items, reporting) if reporting else []
         found: dict[str, list[Item]] = {}
@@ -401,7 +401,7 @@ class HttpApi:
         """Record that a request's items were sent to endpoints (one event per endpoint)."""
         checked = await self._read(placement, request)
         try:
-            check_placement(self.limits, checked.endpoints, self.state.endpoints)
+            check_placement(self.limits, checked.endpoints, self.state.lrus.endpoints)
         except InvalidField as exc:
             raise invalid(exc) from None
         if not checked.items:
@@ -433,7 +433,7 @@ class HttpApi:
         checked = await self._read(engine_events, request)
         if not checked.events:
             return _json({"events": 0}, 202)
-        views, limit = self.state.engine.views, self.limits.max_total_endpoints
+        views, limit = self.state.lrus.engine.views, self.limits.max_total_endpoints
         if checked.endpoint not in views and len(views) >= limit:
             raise ApiError(400, "invalid_request", f"endpoint: the view holds {len(views)} engine "
                            f"views, at most {limit} (max_total_endpoints): delete or sync gone "
@@ -467,10 +467,11 @@ class HttpApi:
         # hashed in slices between turns of the loop; the rest is read after the last
         # slice, with no await in between, so it describes the same moment
         digest = await digest_without_blocking(self.state)
-        capacity, limit, views = self.state.capacity, int(raw_limit), self.state.engine
+        lrus, limit = self.state.lrus, int(raw_limit)
+        capacity, views = lrus.capacity, lrus.engine
         body = {
-            "endpoints": [row._asdict() for row in self.state.summary(limit)],
-            "total_endpoints": len(self.state.endpoints),
+            "endpoints": [row._asdict() for row in self.state.index.summary(limit)],
+            "total_endpoints": len(lrus.endpoints),
             "capacity": {"mode": capacity.mode, "per_endpoint": capacity.per_endpoint},
             "digest": digest.value,
             "digest_settled": digest.settled,

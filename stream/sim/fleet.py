@@ -227,11 +227,11 @@ class _Index:
         self.offset = 0
 
     def scores(self, items: Sequence[Item], names: list[str]) -> list[float]:
-        return [m["score"] for m in self.state.match(items, names)]
+        return [m["score"] for m in self.state.index.match(items, names)]
 
     def place(self, name: str, items: Sequence[Item]) -> None:
         event = ItemsPlaced.model_construct(endpoint=name, items=list(items))
-        self.state.apply(event, Position(0, self.offset))
+        self.state.fold.apply(event, Position(0, self.offset))
         self.offset += 1
 
 
@@ -349,7 +349,7 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
         chosen = choose(request, now, with_items)
         if with_items and indexes:
             index_view = indexes[request.replica % len(indexes)]
-            holders = index_view.state.holders
+            holders = index_view.state.index.holders
             for item in request.items:
                 predicted = holders.get(item.hash, set())
                 actual = {names[j] for j, engine in enumerate(engines) if engine.holds(item.hash)}

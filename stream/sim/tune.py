@@ -105,11 +105,11 @@ def survey(events: Sequence[tuple[Position, Event]]) -> Survey:
     placed = repeats = unsized = 0
     for position, event in events:
         if isinstance(event, ItemsPlaced):
-            _, found = state.hits(event.items, [event.endpoint])
+            _, found = state.index.hits(event.items, [event.endpoint])
             placed += len(event.items)
             repeats += len(found.get(event.endpoint, ()))
             unsized += sum(1 for item in event.items if item.size == 1)
-        state.apply(event, position)
+        state.fold.apply(event, position)
     return Survey(len(events), placed, repeats, unsized)
 
 
@@ -352,7 +352,7 @@ def _replay(events: Sequence[tuple[Position, Event]], capacity: Capacity, replay
     for done, (position, event) in enumerate(events, 1):
         if isinstance(event, ItemsPlaced):
             name = event.endpoint
-            _, found = state.hits(event.items, [name])
+            _, found = state.index.hits(event.items, [name])
             in_index = {item.hash for item in found.get(name, ())}
             hits += len(in_index)
             for item in event.items:
@@ -364,7 +364,7 @@ def _replay(events: Sequence[tuple[Position, Event]], capacity: Capacity, replay
                     elif actual and not predicted:
                         missed_hits[layer] += 1
                 placed += 1
-        state.apply(event, position)
+        state.fold.apply(event, position)
         if on_progress is not None and done % 4096 == 0:
             on_progress(4096)
     if on_progress is not None:

@@ -153,7 +153,7 @@ class LocalPreload:
         finally:
             gc.enable()
         self.state, self.marks = state, marks
-        log.info("preloaded %d endpoints from %s", len(state.endpoints), source)
+        log.info("preloaded %d endpoints from %s", len(state.lrus.endpoints), source)
         return snapshot
 
 def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: Connection,
@@ -173,5 +173,5 @@ def _read(datadir: DataDir, capacity: Capacity, partitions: list[int], sender: C
             load_partition(state, partition, db.items())
         finally:
             db.close()
-    sender.send_bytes(marshal.dumps((state.export(), marks)))
+    sender.send_bytes(marshal.dumps((state.loading.export(), marks)))
     sender.close()

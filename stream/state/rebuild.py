@@ -277,11 +277,12 @@ def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) 
     a name's bytes are never control characters and the separator after it is one.
     """
     names: dict[int, list[tuple[bytes, str]]] = {p: [] for p in partitions}
-    for name, cache in state.endpoints.items():
+    lrus = state.lrus
+    for name, cache in lrus.endpoints.items():
         if cache.partition in names:
             names[cache.partition].append((name.encode(), name))
     views: dict[int, list[tuple[bytes, str]]] = {p: [] for p in partitions}
-    for name, view in state.engine.views.items():
+    for name, view in lrus.engine.views.items():
         if view.partition in views:
             views[view.partition].append((name.encode(), name))
     ingest = IngestExternalFileOptions()
@@ -289,18 +290,18 @@ def write_state(datadir: DataDir, state: CacheState, partitions: Iterable[int]) 
     for partition, endpoints in names.items():
         db = datadir.open_partition(partition)
         try:
-            if not endpoints and not views[partition] and partition not in state.applied:
+            if not endpoints and not views[partition] and partition not in lrus.applied:
                 continue
             sst = str(datadir.partition_path(partition).with_suffix(".sst"))
             writer = SstFileWriter(Options(raw_mode=True))
             writer.open(sst)
             for _, name in sorted(endpoints):
-                for key, value in sorted(endpoint_records(name, state.endpoints[name].entries.items())):
+                for key, value in sorted(endpoint_records(name, lrus.endpoints[name].entries.items())):
                     writer[key] = value
-            if partition in state.applied:
-                writer[APPLIED_KEY] = encode_applied(state.applied[partition])
+            if partition in lrus.applied:
+                writer[APPLIED_KEY] = encode_applied(lrus.applied[partition])
             for _, name in sorted(views[partition]):
-                view = state.engine.views[name]
+                view = lrus.engine.views[name]
                 for key, value in sorted(engine_records(name, view.entries.items())):
                     writer[key] = value
             writer.finish()
@@ -356,7 +357,7 @@ def _replay_part(bootstrap: str, topic: str, partitions: list[int], capacity: Ca
     log.info("partitions %s: replayed %d records in %.2f s, wrote them in %.2f s", partitions,
              counts["events"] + counts["skipped"], replayed - started, time.monotonic() - replayed)
     skipped = {k: v for k, v in counts.items() if k not in ("events", "skipped")}
-    return _Part(counts["events"], skipped, state.endpoint_digests())
+    return _Part(counts["events"], skipped, state.digests.endpoint_digests())
 
 
 async def _topic_extents(bootstrap: str, topic: str, security: KafkaSecurity) -> dict[int, Extent]:

@@ -60,15 +60,15 @@ def file_marks(datadir: DataDir) -> FileMarks:
 def write_snapshot(datadir: DataDir, state: CacheState) -> bool:
     """Leave the view for the next start if the files hold exactly it; say whether."""
     marks = file_marks(datadir)
-    applied = state.applied
+    applied = state.lrus.applied
     for partition in marks.keys() | applied.keys():
         stored = marks.get(partition, (None, None))[1]
         if stored != (None if partition not in applied else encode_applied(applied[partition])):
             log.info("no view snapshot: partition %d's file holds another applied offset "
                      "than the view", partition)
             return False
-    header = marshal.dumps((tuple(state.capacity), marks))
-    view = marshal.dumps(state.export())
+    header = marshal.dumps((tuple(state.lrus.capacity), marks))
+    view = marshal.dumps(state.loading.export())
     crc = zlib.crc32(view, zlib.crc32(header))
     write_whole(datadir.snapshot, SNAPSHOT_MAGIC + _HEADER.pack(FORMAT, marshal.version, crc, len(header))
                 + header + view)

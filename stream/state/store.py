@@ -351,13 +351,13 @@ def load_partition(state: CacheState, partition: int, records: Iterable[tuple[by
     from_bytes = int.from_bytes
     for endpoint, pairs in lrus.items():
         pairs.sort()
-        state.restore_lru(partition, endpoint,
-                          [(digest, from_bytes(value[12:16])) for value, digest in pairs])
+        state.loading.restore_lru(partition, endpoint,
+                                  [(digest, from_bytes(value[12:16])) for value, digest in pairs])
     for endpoint, pairs in views.items():
         pairs.sort()
-        state.engine.replace(partition, endpoint,
-                             [(digest, from_bytes(value[12:16])) for value, digest in pairs])
-    state.restore(partition, applied, ())
+        state.lrus.engine.replace(partition, endpoint,
+                                  [(digest, from_bytes(value[12:16])) for value, digest in pairs])
+    state.loading.restore(partition, applied, ())
 
 
 def load_partition_in_slices(state: CacheState, partition: int,
@@ -369,7 +369,7 @@ def load_partition_in_slices(state: CacheState, partition: int,
     (from the table's file) and the follower (from a changelog re-read) load a partition.
 
     What the partition held before keeps answering until it is replaced: each LRU and
-    each engine view is swapped whole (``CacheState.replace_lru``,
+    each engine view is swapped whole (``Loading.replace_lru``,
     ``EngineViews.replace``) as soon as its keys end (the store iterates in key order,
     and a re-read gives each endpoint's keys together, so an endpoint's keys come
     together and a step reads at most the slice plus one endpoint's records), then the
@@ -391,10 +391,10 @@ def load_partition_in_slices(state: CacheState, partition: int,
         group.sort()
         entries = [(d, from_bytes(v[12:16])) for v, d in group]
         if kind == _ENTRY:
-            state.replace_lru(partition, name, entries)
+            state.loading.replace_lru(partition, name, entries)
             names.add(name)
             return len(group)
-        state.engine.replace(partition, name, entries)
+        state.lrus.engine.replace(partition, name, entries)
         views.add(name)
         return len(group) + 1  # and the view's own record
 
@@ -425,9 +425,9 @@ def load_partition_in_slices(state: CacheState, partition: int,
     if kind:
         loaded += replace()
     yield loaded
-    yield from state.drop_partition_except_in_slices(partition, names, entries_per_slice,
-                                                     keep_engine=views)
-    state.set_applied(partition, applied)
+    yield from state.loading.drop_partition_except_in_slices(partition, names, entries_per_slice,
+                                                             keep_engine=views)
+    state.loading.set_applied(partition, applied)
 
 
 def _size_of(value: bytes) -> int:

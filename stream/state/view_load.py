@@ -34,6 +34,6 @@ async def load_partition_into_view(state: CacheState, partition: int,
 
 
 async def drop_partition_in_slices(state: CacheState, partition: int) -> None:
-    """``CacheState.drop_partition`` with the loop turning every ``RELOAD_SLICE_ENTRIES``."""
-    for _ in state.drop_partition_in_slices(partition, RELOAD_SLICE_ENTRIES):
+    """``Loading.drop_partition`` with the loop turning every ``RELOAD_SLICE_ENTRIES``."""
+    for _ in state.loading.drop_partition_in_slices(partition, RELOAD_SLICE_ENTRIES):
         await asyncio.sleep(0)

@@ -131,7 +131,7 @@ class _RebasedWorker:
         return self.publisher.held()
 
     async def settle(self, ends: dict[int, int]) -> None:
-        applied = self.state.applied
+        applied = self.state.lrus.applied
         while self.batches or any(applied.get(p, -1) < end - 1 for p, end in ends.items()):
             await asyncio.sleep(0.02)
         await self.app.producer.flush()
@@ -320,14 +320,14 @@ def build_worker(
     marks = ViewMarks()
     follower = ChangelogFollower(bootstrap_servers, changelog, state, client, marks)
     probe = EventLogProbe(bootstrap_servers, settings.events_topic, partitions,
-                          lambda: state.applied, client)
+                          lambda: state.lrus.applied, client)
     refuse_unwritable_state(DataDir(settings.data_dir))  # one line, not Faust's crash
     state_writes = StateWrites()
 
     def log_problem() -> str | None:
         return None if embedded_cluster is None else embedded_cluster.problem()
 
-    readiness = Readiness(lambda: state.applied, probe, lambda: follower.caught_up,
+    readiness = Readiness(lambda: state.lrus.applied, probe, lambda: follower.caught_up,
                           settings.max_lag_events,
                           problem=lambda: "; ".join(filter(None, (state_writes.problem(),
                                                                    log_problem()))) or None)
@@ -338,7 +338,7 @@ def build_worker(
         for tp in consumer.assignment():
             highwater = consumer.highwater(tp) if tp.topic == settings.events_topic else None
             if highwater is not None:
-                result[tp.partition] = max(0, highwater - state.applied.get(tp.partition, -1) - 1)
+                result[tp.partition] = max(0, highwater - state.lrus.applied.get(tp.partition, -1) - 1)
         return result
 
     metrics = Metrics(state, consumer_lag)
@@ -376,7 +376,7 @@ def build_worker(
         # (a freeze in the middle of the batch); either raises, and the worker stops with
         # nothing of the batch written or acknowledged (its supervisor restarts it).
         tp = TP(settings.events_topic, partition)
-        if records and records[-1].offset <= state.applied.get(partition, -1):
+        if records and records[-1].offset <= state.lrus.applied.get(partition, -1):
             return  # applied already (fetched again, e.g. after a rebase): nothing to write
         if rebased is None:
             return await handle_batch(tp, partition, records)
@@ -429,7 +429,7 @@ def build_worker(
         if state_writes.failing:  # not stalled: waiting for room to store a batch
             stall_watch.reset()
         else:
-            await rewind_stalled(app, settings.events_topic, state.applied, stall_watch,
+            await rewind_stalled(app, settings.events_topic, state.lrus.applied, stall_watch,
                                  time.monotonic())
 
     reload_turn = asyncio.Lock()
@@ -483,7 +483,7 @@ def build_worker(
             # the files must hold the changelog too: nobody wrote it after them
             holds = local.holds_changelog(await follower.ends(partitions))
             async with reload_turn:
-                if holds and preload is local and readiness.loaded_whole(local.state.applied, since):
+                if holds and preload is local and readiness.loaded_whole(local.state.lrus.applied, since):
                     local.merge_into(state)
         except asyncio.CancelledError:
             raise

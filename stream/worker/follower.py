@@ -133,7 +133,7 @@ class ChangelogFollower(mode.Service):
             through = self.marks.through(partition)
             if through is not None and partition not in self._next:
                 self._next[partition] = through + 1
-                self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
+                self._gates[partition] = ChangelogGate(self.view.lrus.applied.get(partition, -1))
 
     async def _reread(self, consumer: AIOKafkaConsumer, partitions: list[int]) -> None:
         for partition in partitions:
@@ -177,7 +177,7 @@ class ChangelogFollower(mode.Service):
     def _take(self, partition: int, records: list[Any]) -> None:
         gate = self._gates.get(partition)
         if gate is None:
-            gate = self._gates[partition] = ChangelogGate(self.view.applied.get(partition, -1))
+            gate = self._gates[partition] = ChangelogGate(self.view.lrus.applied.get(partition, -1))
         dropped = gate.dropped
         admitted = gate.admit((r.key, r.value, r) for r in records)
         if gate.dropped > dropped:
@@ -189,19 +189,19 @@ class ChangelogFollower(mode.Service):
             for record in admitted:
                 reread.add(record.key, record.value)
         else:
-            view = self.view
+            loading, fold, engine_views = self.view.loading, self.view.fold, self.view.lrus.engine
             for record in admitted:
                 key, value = record.key, record.value
                 if key == APPLIED_KEY:
-                    view.set_applied(partition, decode_applied(value))
+                    loading.set_applied(partition, decode_applied(value))
                     continue
                 change = decode_change(key, value)
                 if change is not None:
-                    view.follow(partition, *change)
+                    fold.follow(partition, *change)
                 elif is_engine_key(key):
                     engine = decode_engine_change(key, value)
                     assert engine is not None
-                    view.engine.follow(partition, *engine)
+                    engine_views.follow(partition, *engine)
         if records:
             self._next[partition] = records[-1].offset + 1
             if reread is None:

@@ -183,4 +183,4 @@ class StateKeeper:
             gc.freeze()
             gc.enable()
         log.info("state loaded: %d endpoints from partitions %s (read from the files: %s)",
-                 len(self.state.endpoints), sorted(partitions), sorted(loaded))
+                 len(self.state.lrus.endpoints), sorted(partitions), sorted(loaded))

@@ -49,13 +49,13 @@ def test_ingest_scenario_measures_the_worker_against_both_controls(bootstrap, tm
 
 
 def test_reference_lookup_control_gives_the_same_answers_as_the_index():
-    index = full_state(CacheState(Capacity.from_params(8)), 3000)
+    inverted = full_state(CacheState(Capacity.from_params(8)), 3000)
     reference = full_state(ReferenceState(Capacity.from_params(8)), 3000)
-    held = list(index.holders)[:40]
+    held = list(inverted.index.holders)[:40]
     items = [Item(h, 1, "image") for h in held[:6]] + [Item("absent", 2, "video")]
-    endpoints = sorted(index.endpoints)[:64] + ["nobody"]
-    assert index.match(items, endpoints) == reference.match(items, endpoints)
-    assert any(m["matched_items"] for m in index.match(items, endpoints))
+    endpoints = sorted(inverted.lrus.endpoints)[:64] + ["nobody"]
+    assert inverted.index.match(items, endpoints) == reference.index.match(items, endpoints)
+    assert any(m["matched_items"] for m in inverted.index.match(items, endpoints))
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk (Debian package) is not installed")

@@ -35,10 +35,10 @@ needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
 def loaded():
     state = full_state(CacheState(Capacity.from_params(8)), 3000)
     bodies = request_bodies(state, 30)
-    keys, lookups = index_keys(bodies, state.holders)
+    keys, lookups = index_keys(bodies, state.index.holders)
     server = RedisServer("0").start()
     try:
-        load_index(server, state.holders, keys)
+        load_index(server, state.index.holders, keys)
         yield state, bodies, keys, lookups, server
     finally:
         server.stop()
@@ -47,9 +47,9 @@ def loaded():
 def test_the_bodies_hashes_come_first_and_every_held_hash_has_a_set_name():
     state = full_state(CacheState(Capacity.from_params(8)), 3000)
     bodies = request_bodies(state, 5)
-    keys, lookups = index_keys(bodies, state.holders)
+    keys, lookups = index_keys(bodies, state.index.holders)
     named = [item.hash for raw in bodies for item in extract_items(read_match(raw, Limits())[1])]
-    assert lookups == len(set(named)) and set(state.holders) <= keys.keys()
+    assert lookups == len(set(named)) and set(state.index.holders) <= keys.keys()
     assert {keys[h] for h in named} == {f"h:{n:012d}" for n in range(lookups)}
     assert len(set(keys.values())) == len(keys)
 
@@ -58,7 +58,7 @@ def test_the_bodies_hashes_come_first_and_every_held_hash_has_a_set_name():
 def test_redis_holds_the_reverse_index_and_the_backed_handler_answers_as_the_service(loaded):
     state, bodies, keys, _, server = loaded
     with server.client() as client:
-        digest, names = next(iter(state.holders.items()))
+        digest, names = next(iter(state.index.holders.items()))
         assert {n.decode() for n in client.smembers(keys[digest])} == names
 
     async def answers() -> int:
@@ -73,7 +73,7 @@ def test_redis_holds_the_reverse_index_and_the_backed_handler_answers_as_the_ser
                 assert response.status == 200
                 endpoints, body = read_match(raw, Limits())
                 items = extract_items(body)
-                requested, found = state.hits(items, endpoints)
+                requested, found = state.index.hits(items, endpoints)
                 assert orjson.loads(await response.read()) == orjson.loads(render_match(items, requested, found))
                 matched += bool(found)
             assert (await http.post("/v1/match", data=b"{}")).status == 400

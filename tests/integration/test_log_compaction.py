@@ -167,7 +167,7 @@ def _replayed_digest(data: Path, capacity_mb: int | None = None) -> str:
     for partition in range(PARTITIONS):
         for record in kept.records("mmcache-events", partition):
             fold_record(state, partition, record.offset, record.key, record.value, PARTITIONS)
-    return state.digest()
+    return state.digests.digest()
 
 
 def _records(log: EmbeddedLog, topic: str) -> int:

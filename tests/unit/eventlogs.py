@@ -106,12 +106,12 @@ class EventLogs:
 def fold(capacity: Capacity, records: list[Record]) -> CacheState:
     state = CacheState(capacity)
     for position, event in records:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     return state
 
 
 def view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+    return {name: list(cache.entries.items()) for name, cache in state.lrus.endpoints.items()}
 
 
 def placement_log(placements: list[tuple[str, list[Item]]], partitions: int = 2) -> list[Record]:

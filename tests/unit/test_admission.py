@@ -51,8 +51,8 @@ def test_a_rejected_record_changes_nothing_but_its_applied_offset(key, value, pa
     outcome = fold_record(state, partition, 5, key, value, PARTS)
     assert isinstance(outcome, Rejected)
     assert outcome.reason == reason
-    assert state.endpoints == {}
-    assert state.applied == {partition: 5}
+    assert state.lrus.endpoints == {}
+    assert state.lrus.applied == {partition: 5}
     assert fold_record(state, partition, 5, key, value, PARTS) is None  # redelivered
 
 
@@ -61,7 +61,7 @@ def test_a_record_in_its_place_is_applied():
     outcome = fold_record(state, home("ns/pod-0"), 0, KEY, encode_event(PLACED), PARTS)
     assert isinstance(outcome, Applied)
     assert outcome.event == PLACED
-    assert set(state.endpoints) == {"ns/pod-0"}
+    assert set(state.lrus.endpoints) == {"ns/pod-0"}
 
 
 def test_a_sync_applies_on_any_partition_without_a_key():
@@ -88,7 +88,7 @@ def test_a_fold_that_raises_is_rejected_as_apply_failed_and_the_next_record_appl
     assert isinstance(outcome, Rejected)
     assert outcome.reason == "apply_failed"
     assert "boom" in outcome.detail
-    assert state.applied == {home("ns/pod-0"): 3}
+    assert state.lrus.applied == {home("ns/pod-0"): 3}
     deleted = encode_event(EndpointDeleted(endpoint="ns/pod-0"))
     assert isinstance(fold_record(state, home("ns/pod-0"), 4, KEY, deleted, PARTS), Applied)
 
@@ -131,8 +131,8 @@ def test_the_state_of_a_mixed_log_is_the_state_of_its_good_records_alone(drawn):
         outcome = fold_record(mixed, partition, offset, key, value, PARTS)
         if spoil is None:
             assert isinstance(outcome, Applied)
-            good_only.apply(outcome.event, Position(partition, offset))
+            good_only.fold.apply(outcome.event, Position(partition, offset))
         else:
             assert isinstance(outcome, Rejected)
-    assert mixed.digest() == good_only.digest()
-    assert set(mixed.endpoints) == set(good_only.endpoints)
+    assert mixed.digests.digest() == good_only.digests.digest()
+    assert set(mixed.lrus.endpoints) == set(good_only.lrus.endpoints)

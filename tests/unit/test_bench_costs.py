@@ -12,6 +12,8 @@ from stream.bench import costs
 from stream.bench.costs import INGEST_STAGES, MATCH_STAGES, cost_figures, ingest_costs, match_costs
 from stream.bench.match import full_state, request_bodies
 from stream.core.cache import CacheState, Capacity
+from stream.core.fold import Fold
+from stream.core.index import Index
 from stream.metrics import Metrics
 
 # Far above any stage's own time (tens of us) and medians of 7 passes: a busy machine's
@@ -24,11 +26,11 @@ CALLED = {
     "orjson_loads": (orjson, "loads"),
     "read_match": (costs, "read_match"),
     "extract_items": (costs, "extract_items"),
-    "hits": (CacheState, "hits"),
+    "hits": (Index, "hits"),
     "record_match": (Metrics, "record_match"),
     "render_match": (costs, "render_match"),
     "decode_event": (costs, "decode_event"),
-    "apply": (CacheState, "apply"),
+    "apply": (Fold, "apply"),
 }
 
 
@@ -56,9 +58,9 @@ def test_every_named_stage_gets_a_positive_breakdown_figure(tiny):
 
 def test_the_ingest_stages_fold_fresh_events_at_the_next_positions(tiny):
     state, _ = tiny
-    applied = state.applied[0]
+    applied = state.lrus.applied[0]
     ingest_costs(state, 100, 2)
-    assert state.applied[0] == applied + 200
+    assert state.lrus.applied[0] == applied + 200
 
 
 @pytest.mark.parametrize("stage", list(CALLED))

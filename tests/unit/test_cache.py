@@ -22,7 +22,7 @@ class Log:
     def apply(self, event, partition: int = 0) -> Effects | None:
         offset = self.next[partition]
         self.next[partition] += 1
-        return self.state.apply(event, Position(partition, offset))
+        return self.state.fold.apply(event, Position(partition, offset))
 
     def place(self, endpoint: str, *items, partition: int = 0) -> Effects | None:
         return self.apply(ItemsPlaced(endpoint=endpoint, items=list(_items(items))), partition)
@@ -54,22 +54,22 @@ def size_mode(n: int) -> CacheState:
 
 def lru(state: CacheState, endpoint: str) -> list[str]:
     """An endpoint's hashes, least recent first."""
-    cache = state.endpoints.get(endpoint)
+    cache = state.lrus.endpoints.get(endpoint)
     return list(cache.entries) if cache else []
 
 
 def sized(state: CacheState, endpoint: str) -> list[tuple[str, int]]:
-    cache = state.endpoints.get(endpoint)
+    cache = state.lrus.endpoints.get(endpoint)
     return list(cache.entries.items()) if cache else []
 
 
 def check_holders(state: CacheState) -> None:
     """The inverted index is exactly the transpose of the LRUs."""
     expected: dict[str, set[str]] = {}
-    for name, cache in state.endpoints.items():
+    for name, cache in state.lrus.endpoints.items():
         for digest in cache.entries:
             expected.setdefault(digest, set()).add(name)
-    assert state.holders == expected
+    assert state.index.holders == expected
 
 
 # -- capacity ---------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def test_eviction_drops_least_recent_first():
     effects = log.place("e", "d", "f")
     assert lru(state, "e") == ["c", "d", "f"]
     assert effects.removals == [("e", "a"), ("e", "b")]
-    assert "a" not in state.holders and "b" not in state.holders
+    assert "a" not in state.index.holders and "b" not in state.index.holders
     check_holders(state)
 
 
@@ -155,7 +155,7 @@ def test_eviction_is_per_endpoint():
     log.place("e1", "c")
     assert lru(state, "e1") == ["b", "c"]
     assert lru(state, "e2") == ["a", "b"]
-    assert state.holders["a"] == {"e2"}
+    assert state.index.holders["a"] == {"e2"}
     check_holders(state)
 
 
@@ -163,10 +163,10 @@ def test_match_does_not_change_recency():
     state = items_mode(3)
     log = Log(state)
     log.place("e", "a", "b", "c")
-    before_digest, before = state.digest(), lru(state, "e")
-    result = state.match([Item("a", 1, "image")], ["e"])
+    before_digest, before = state.digests.digest(), lru(state, "e")
+    result = state.index.match([Item("a", 1, "image")], ["e"])
     assert result[0]["matched_items"] == [Item("a", 1, "image")]
-    assert state.digest() == before_digest
+    assert state.digests.digest() == before_digest
     assert lru(state, "e") == before == ["a", "b", "c"]
     # The matched item is still the least recent: the next insert evicts it.
     log.place("e", "d")
@@ -177,14 +177,14 @@ def test_duplicate_item_within_a_placement_counts_once():
     state = items_mode(3)
     Log(state).place("e", "a", "b", "a")
     assert lru(state, "e") == ["b", "a"]
-    assert state.endpoints["e"].weight == 2
+    assert state.lrus.endpoints["e"].weight == 2
     check_holders(state)
 
 
 def test_one_placement_touches_one_endpoint_only():
     state = items_mode(3)
     Log(state).place("e1", "a")
-    assert set(state.endpoints) == {"e1"}
+    assert set(state.lrus.endpoints) == {"e1"}
 
 
 # -- size mode ----------------------------------------------------------------------------
@@ -194,10 +194,10 @@ def test_size_mode_keeps_sum_of_sizes_within_n():
     state = size_mode(10)
     log = Log(state)
     log.place("e", ("a", 4), ("b", 4))
-    assert state.endpoints["e"].weight == 8
+    assert state.lrus.endpoints["e"].weight == 8
     effects = log.place("e", ("c", 3))
     assert sized(state, "e") == [("b", 4), ("c", 3)]
-    assert state.endpoints["e"].weight == 7
+    assert state.lrus.endpoints["e"].weight == 7
     assert effects.removals == [("e", "a")]
     check_holders(state)
 
@@ -217,7 +217,7 @@ def test_size_mode_item_larger_than_n_is_not_recorded():
     log.place("e", ("a", 3))
     effects = log.place("e", ("big", 11), ("b", 2))
     assert sized(state, "e") == [("a", 3), ("b", 2)]
-    assert "big" not in state.holders
+    assert "big" not in state.index.holders
     assert [u.hash for u in effects.upserts] == ["b"]
     assert effects.removals == []
     check_holders(state)
@@ -226,10 +226,10 @@ def test_size_mode_item_larger_than_n_is_not_recorded():
 def test_size_mode_placement_of_only_oversized_items_records_no_endpoint():
     state = size_mode(5)
     effects = Log(state).place("e", ("big", 6))
-    assert "e" not in state.endpoints
-    assert state.holders == {}
+    assert "e" not in state.lrus.endpoints
+    assert state.index.holders == {}
     assert effects == Effects()
-    assert state.summary(10) == []
+    assert state.index.summary(10) == []
 
 
 def test_size_mode_evicts_oldest_until_it_fits():
@@ -248,14 +248,14 @@ def test_size_mode_replacing_item_with_new_size_updates_weight():
     log.place("e", ("a", 2), ("b", 3))
     log.place("e", ("a", 5))
     assert sized(state, "e") == [("b", 3), ("a", 5)]
-    assert state.endpoints["e"].weight == 8
+    assert state.lrus.endpoints["e"].weight == 8
 
 
 def test_items_mode_counts_entries_not_sizes():
     state = items_mode(2)
     Log(state).place("e", ("a", 1000), ("b", 1000))
     assert sized(state, "e") == [("a", 1000), ("b", 1000)]
-    assert state.endpoints["e"].weight == 2000
+    assert state.lrus.endpoints["e"].weight == 2000
 
 
 # -- delete and sync ------------------------------------------------------------------
@@ -267,11 +267,11 @@ def test_delete_drops_whole_lru_and_holders():
     log.place("e1", "a", "b")
     log.place("e2", "b", "c")
     effects = log.delete("e1")
-    assert "e1" not in state.endpoints
-    assert state.holders == {"b": {"e2"}, "c": {"e2"}}
+    assert "e1" not in state.lrus.endpoints
+    assert state.index.holders == {"b": {"e2"}, "c": {"e2"}}
     assert effects.removals == [("e1", "a"), ("e1", "b")]
     assert effects.upserts == []
-    assert state.match([Item("a", 1, "image")], ["e1"])[0]["matched_items"] == []
+    assert state.index.match([Item("a", 1, "image")], ["e1"])[0]["matched_items"] == []
     check_holders(state)
 
 
@@ -279,11 +279,11 @@ def test_delete_unknown_endpoint_changes_nothing_but_is_applied():
     state = items_mode(10)
     log = Log(state)
     log.place("e", "a")
-    before = state.digest()
+    before = state.digests.digest()
     effects = log.delete("ghost")
     assert effects == Effects()
-    assert state.digest() == before
-    assert state.applied == {0: 1}
+    assert state.digests.digest() == before
+    assert state.lrus.applied == {0: 1}
 
 
 def test_placement_after_delete_starts_fresh():
@@ -303,9 +303,9 @@ def test_sync_drops_endpoints_not_in_live_set():
     log.place("e2", "b")
     log.place("e3", "a", "c")
     effects = log.sync(["e2", "other"])
-    assert set(state.endpoints) == {"e2"}
+    assert set(state.lrus.endpoints) == {"e2"}
     assert sorted(effects.removals) == [("e1", "a"), ("e3", "a"), ("e3", "c")]
-    assert state.holders == {"b": {"e2"}}
+    assert state.index.holders == {"b": {"e2"}}
     check_holders(state)
 
 
@@ -317,10 +317,10 @@ def test_sync_acts_only_on_endpoints_of_its_partition():
     log.place("p1-a", "x", partition=1)
     log.place("p1-b", "y", partition=1)
     effects = log.sync(["p0-a", "p1-a"], partition=0)
-    assert set(state.endpoints) == {"p0-a", "p1-a", "p1-b"}
+    assert set(state.lrus.endpoints) == {"p0-a", "p1-a", "p1-b"}
     assert effects.removals == [("p0-b", "x")]
     effects = log.sync(["p0-a", "p1-a"], partition=1)
-    assert set(state.endpoints) == {"p0-a", "p1-a"}
+    assert set(state.lrus.endpoints) == {"p0-a", "p1-a"}
     assert effects.removals == [("p1-b", "y")]
     check_holders(state)
 
@@ -329,12 +329,12 @@ def test_sync_with_empty_live_set_is_ignored():
     state = items_mode(10)
     log = Log(state)
     log.place("e", "a")
-    before = state.digest()
+    before = state.digests.digest()
     effects = log.sync([])
     assert effects == Effects()
-    assert state.digest() == before
+    assert state.digests.digest() == before
     assert lru(state, "e") == ["a"]
-    assert state.applied[0] == 1
+    assert state.lrus.applied[0] == 1
 
 
 # -- redelivery ---------------------------------------------------------------------------
@@ -343,8 +343,8 @@ def test_sync_with_empty_live_set_is_ignored():
 def test_apply_returns_none_at_or_below_applied_offset():
     state = items_mode(10)
     first = ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")])
-    assert state.apply(first, Position(0, 5)) is not None
-    digest = state.digest()
+    assert state.fold.apply(first, Position(0, 5)) is not None
+    digest = state.digests.digest()
     redelivered = [
         (first, Position(0, 5)),
         (ItemsPlaced(endpoint="e", items=[Item("b", 1, "image")]), Position(0, 3)),
@@ -352,25 +352,25 @@ def test_apply_returns_none_at_or_below_applied_offset():
         (EndpointsSynced(live=["other"]), Position(0, 0)),
     ]
     for event, position in redelivered:
-        assert state.apply(event, position) is None
-    assert state.digest() == digest
+        assert state.fold.apply(event, position) is None
+    assert state.digests.digest() == digest
     assert lru(state, "e") == ["a"]
-    assert state.applied == {0: 5}
+    assert state.lrus.applied == {0: 5}
 
 
 def test_applied_offset_is_per_partition():
     state = items_mode(10)
-    state.apply(ItemsPlaced(endpoint="e0", items=[Item("a", 1, "image")]), Position(0, 7))
-    effects = state.apply(ItemsPlaced(endpoint="e1", items=[Item("b", 1, "image")]), Position(1, 0))
+    state.fold.apply(ItemsPlaced(endpoint="e0", items=[Item("a", 1, "image")]), Position(0, 7))
+    effects = state.fold.apply(ItemsPlaced(endpoint="e1", items=[Item("b", 1, "image")]), Position(1, 0))
     assert effects is not None
-    assert state.applied == {0: 7, 1: 0}
+    assert state.lrus.applied == {0: 7, 1: 0}
     assert lru(state, "e1") == ["b"]
 
 
 def test_offsets_may_have_gaps():
     state = items_mode(10)
-    assert state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(0, 0))
-    assert state.apply(ItemsPlaced(endpoint="e", items=[Item("b", 1, "i")]), Position(0, 10))
+    assert state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(0, 0))
+    assert state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("b", 1, "i")]), Position(0, 10))
     assert lru(state, "e") == ["a", "b"]
 
 
@@ -383,7 +383,7 @@ def test_match_scores_by_weight_and_keeps_request_item_order():
     log.place("e1", ("c", 1), ("a", 1))
     log.place("e2", ("b", 1))
     request = [Item("a", 2, "image"), Item("b", 3, "video"), Item("c", 5, "audio")]
-    result = state.match(request, ["e1", "e2"])
+    result = state.index.match(request, ["e1", "e2"])
     assert result == [
         EndpointMatch(endpoint="e1", matched_items=[Item("a", 2, "image"), Item("c", 5, "audio")], matched_weight=7, total_weight=10, score=0.7),
         EndpointMatch(endpoint="e2", matched_items=[Item("b", 3, "video")], matched_weight=3, total_weight=10, score=0.3),
@@ -393,7 +393,7 @@ def test_match_scores_by_weight_and_keeps_request_item_order():
 def test_match_one_result_per_distinct_endpoint_in_request_order():
     state = items_mode(10)
     Log(state).place("e1", "a")
-    result = state.match([Item("a", 1, "image")], ["e2", "e1", "e2", "e1", "e3"])
+    result = state.index.match([Item("a", 1, "image")], ["e2", "e1", "e2", "e1", "e3"])
     assert [m["endpoint"] for m in result] == ["e2", "e1", "e3"]
     assert [m["score"] for m in result] == [0.0, 1.0, 0.0]
 
@@ -401,26 +401,26 @@ def test_match_one_result_per_distinct_endpoint_in_request_order():
 def test_match_unknown_endpoint_matches_nothing():
     state = items_mode(10)
     Log(state).place("e1", "a")
-    [result] = state.match([Item("a", 4, "image")], ["nobody"])
+    [result] = state.index.match([Item("a", 4, "image")], ["nobody"])
     assert result == EndpointMatch(endpoint="nobody", matched_items=[], matched_weight=0, total_weight=4, score=0.0)
 
 
 def test_match_no_items_gives_empty_list():
     state = items_mode(10)
     Log(state).place("e1", "a")
-    assert state.match([], ["e1", "e2"]) == []
+    assert state.index.match([], ["e1", "e2"]) == []
 
 
 def test_match_no_endpoints_gives_empty_list():
     state = items_mode(10)
     Log(state).place("e1", "a")
-    assert state.match([Item("a", 1, "image")], []) == []
+    assert state.index.match([Item("a", 1, "image")], []) == []
 
 
 def test_match_full_hit_scores_one():
     state = items_mode(10)
     Log(state).place("e", "a", "b")
-    [result] = state.match([Item("b", 1, "image"), Item("a", 1, "image")], ["e"])
+    [result] = state.index.match([Item("b", 1, "image"), Item("a", 1, "image")], ["e"])
     assert result["matched_items"] == [Item("b", 1, "image"), Item("a", 1, "image")]
     assert (result["matched_weight"], result["total_weight"], result["score"]) == (2, 2, 1.0)
 
@@ -428,7 +428,7 @@ def test_match_full_hit_scores_one():
 def test_match_accepts_any_iterable_of_endpoints():
     state = items_mode(10)
     Log(state).place("e", "a")
-    result = state.match([Item("a", 1, "image")], iter(["e"]))
+    result = state.index.match([Item("a", 1, "image")], iter(["e"]))
     assert [m["score"] for m in result] == [1.0]
 
 
@@ -437,7 +437,7 @@ def test_match_ignores_evicted_items():
     log = Log(state)
     log.place("e", "a")
     log.place("e", "b")
-    [result] = state.match([Item("a", 1, "image"), Item("b", 1, "image")], ["e"])
+    [result] = state.index.match([Item("a", 1, "image"), Item("b", 1, "image")], ["e"])
     assert result["matched_items"] == [Item("b", 1, "image")]
     assert result["score"] == 0.5
 
@@ -452,26 +452,26 @@ def test_summary_orders_by_items_desc_then_name_and_limits():
     log.place("c", ("x", 1), ("y", 1))
     log.place("a", ("z", 7))
     log.place("d", ("x", 1), ("y", 1), ("z", 1))
-    rows = state.summary(10)
+    rows = state.index.summary(10)
     assert [(r.endpoint, r.items, r.weight) for r in rows] == [
         ("d", 3, 3),
         ("c", 2, 2),
         ("a", 1, 7),
         ("b", 1, 5),
     ]
-    assert [r.endpoint for r in state.summary(2)] == ["d", "c"]
-    assert state.summary(0) == []
+    assert [r.endpoint for r in state.index.summary(2)] == ["d", "c"]
+    assert state.index.summary(0) == []
 
 
 def test_summary_of_empty_state_is_empty():
-    assert items_mode(4).summary(100) == []
+    assert items_mode(4).index.summary(100) == []
 
 
 # -- digest -------------------------------------------------------------------------------
 
 
 def test_digest_of_empty_states_is_equal():
-    assert items_mode(4).digest() == size_mode(9).digest()
+    assert items_mode(4).digests.digest() == size_mode(9).digests.digest()
 
 
 def test_digest_equal_for_equal_states_built_by_different_paths():
@@ -498,42 +498,42 @@ def test_digest_equal_for_equal_states_built_by_different_paths():
 
     assert lru(s1, "e1") == lru(s2, "e1") == ["b", "c", "d"]
     assert lru(s1, "e2") == lru(s2, "e2") == ["x"]
-    assert s1.digest() == s2.digest()
+    assert s1.digests.digest() == s2.digests.digest()
 
 
 def test_digest_differs_when_recency_order_differs():
     s1, s2 = items_mode(5), items_mode(5)
     Log(s1).place("e", "a", "b")
     Log(s2).place("e", "b", "a")
-    assert s1.digest() != s2.digest()
+    assert s1.digests.digest() != s2.digests.digest()
 
 
 def test_digest_differs_when_sizes_differ():
     s1, s2 = size_mode(50), size_mode(50)
     Log(s1).place("e", ("a", 1))
     Log(s2).place("e", ("a", 2))
-    assert s1.digest() != s2.digest()
+    assert s1.digests.digest() != s2.digests.digest()
 
 
 def test_digest_differs_when_endpoint_differs():
     s1, s2 = items_mode(5), items_mode(5)
     Log(s1).place("e1", "a")
     Log(s2).place("e2", "a")
-    assert s1.digest() != s2.digest()
+    assert s1.digests.digest() != s2.digests.digest()
 
 
 def test_digest_is_not_fooled_by_string_boundaries():
     s1, s2 = items_mode(5), items_mode(5)
     Log(s1).place("e", "ab", "c")
     Log(s2).place("e", "a", "bc")
-    assert s1.digest() != s2.digest()
+    assert s1.digests.digest() != s2.digests.digest()
 
 
 def test_digest_ignores_applied_offsets():
     s1, s2 = items_mode(5), items_mode(5)
-    s1.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(0, 0))
-    s2.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(3, 99))
-    assert s1.digest() == s2.digest()
+    s1.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(0, 0))
+    s2.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "i")]), Position(3, 99))
+    assert s1.digests.digest() == s2.digests.digest()
 
 
 # -- restore and effects ------------------------------------------------------------------
@@ -553,11 +553,11 @@ def build_sample(state: CacheState) -> Log:
 
 def restored_from(state: CacheState) -> CacheState:
     groups: dict[int, list[Entry]] = defaultdict(list)
-    for partition, entry in state.entries():
+    for partition, entry in state.loading.entries():
         groups[partition].append(entry)
-    copy = CacheState(state.capacity)
-    for partition in set(groups) | set(state.applied):
-        copy.restore(partition, state.applied.get(partition), reversed(groups[partition]))
+    copy = CacheState(state.lrus.capacity)
+    for partition in set(groups) | set(state.lrus.applied):
+        copy.loading.restore(partition, state.lrus.applied.get(partition), reversed(groups[partition]))
     return copy
 
 
@@ -565,16 +565,16 @@ def test_restore_from_entries_gives_equal_state():
     state = size_mode(9)
     build_sample(state)
     copy = restored_from(state)
-    assert copy.digest() == state.digest()
-    assert copy.applied == state.applied
-    assert {n: c.partition for n, c in copy.endpoints.items()} == {
-        n: c.partition for n, c in state.endpoints.items()
+    assert copy.digests.digest() == state.digests.digest()
+    assert copy.lrus.applied == state.lrus.applied
+    assert {n: c.partition for n, c in copy.lrus.endpoints.items()} == {
+        n: c.partition for n, c in state.lrus.endpoints.items()
     }
-    for name in state.endpoints:
+    for name in state.lrus.endpoints:
         assert sized(copy, name) == sized(state, name)
-        assert copy.endpoints[name].weight == state.endpoints[name].weight
+        assert copy.lrus.endpoints[name].weight == state.lrus.endpoints[name].weight
     check_holders(copy)
-    assert copy.holders == state.holders
+    assert copy.index.holders == state.index.holders
 
 
 def test_restored_state_behaves_like_the_original():
@@ -587,10 +587,10 @@ def test_restored_state_behaves_like_the_original():
         target.place("e1", ("n", 4), partition=0)
         target.sync(["e1"], partition=1)
         assert target.apply(EndpointsSynced(live=["e1"]), partition=2) is not None
-    assert copy.digest() == state.digest()
-    assert set(copy.endpoints) == {"e1"}
+    assert copy.digests.digest() == state.digests.digest()
+    assert set(copy.lrus.endpoints) == {"e1"}
     # Redelivering an already-applied offset is still skipped after restore.
-    assert copy.apply(EndpointDeleted(endpoint="e1"), Position(0, 0)) is None
+    assert copy.fold.apply(EndpointDeleted(endpoint="e1"), Position(0, 0)) is None
 
 
 def test_entries_yield_partition_and_recency_rank():
@@ -598,7 +598,7 @@ def test_entries_yield_partition_and_recency_rank():
     log = Log(state)
     log.place("e", "a", "b", partition=2)
     log.place("e", "a", partition=2)
-    assert list(state.entries()) == [
+    assert list(state.loading.entries()) == [
         (2, Entry("e", "b", 1, 0, 0)),
         (2, Entry("e", "a", 1, 0, 1)),
     ]
@@ -623,7 +623,7 @@ def mirror_view(mirror: dict[tuple[str, str], Entry]) -> dict[str, list[tuple[st
 
 
 def state_view(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+    return {name: list(cache.entries.items()) for name, cache in state.lrus.endpoints.items()}
 
 
 def test_effects_replayed_into_a_dict_mirror_the_state():
@@ -650,7 +650,7 @@ def test_effects_replayed_into_a_dict_mirror_the_state():
 
 def test_effects_upserts_carry_position_and_item_index():
     state = items_mode(5)
-    effects = state.apply(
+    effects = state.fold.apply(
         ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 1, "video")]),
         Position(4, 17),
     )
@@ -669,10 +669,10 @@ def test_restore_from_mirrored_effects_gives_equal_state():
         lambda: log.place("e", "b"),
     ]:
         mirror_apply(mirror, step())
-    copy = CacheState(state.capacity)
-    copy.restore(0, state.applied[0], [e for e in mirror.values() if e.endpoint == "e"])
-    copy.restore(1, state.applied[1], [e for e in mirror.values() if e.endpoint == "f"])
-    assert copy.digest() == state.digest()
+    copy = CacheState(state.lrus.capacity)
+    copy.loading.restore(0, state.lrus.applied[0], [e for e in mirror.values() if e.endpoint == "e"])
+    copy.loading.restore(1, state.lrus.applied[1], [e for e in mirror.values() if e.endpoint == "f"])
+    assert copy.digests.digest() == state.digests.digest()
     assert lru(copy, "e") == ["a", "d", "b"]
 
 
@@ -686,63 +686,91 @@ def test_follow_mirrors_another_workers_changes_in_order():
         ItemsPlaced(endpoint="f", items=[Item("d", 1, "image")]),
     ]
     for offset, event in enumerate(log):
-        effects = owner.apply(event, Position(3, offset))
+        effects = owner.fold.apply(event, Position(3, offset))
         for entry in effects.upserts:
-            follower.follow(3, entry.endpoint, entry.hash, entry.size)
+            follower.fold.follow(3, entry.endpoint, entry.hash, entry.size)
         for endpoint, digest in effects.removals:
-            follower.follow(3, endpoint, digest, None)
-        assert follower.digest() == owner.digest()
-        assert follower.holders == owner.holders
-    assert follower.endpoints["f"].partition == 3
+            follower.fold.follow(3, endpoint, digest, None)
+        assert follower.digests.digest() == owner.digests.digest()
+        assert follower.index.holders == owner.index.holders
+    assert follower.lrus.endpoints["f"].partition == 3
 
 
 def test_drop_partition_forgets_only_that_partition():
     state = CacheState(Capacity("items", 4))
-    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
-    state.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image")]), Position(1, 0))
-    state.drop_partition(0)
-    assert list(state.endpoints) == ["f"]
-    assert state.holders == {"a": {"f"}}
-    assert state.applied == {1: 0}
+    state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    state.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image")]), Position(1, 0))
+    state.loading.drop_partition(0)
+    assert list(state.lrus.endpoints) == ["f"]
+    assert state.index.holders == {"a": {"f"}}
+    assert state.lrus.applied == {1: 0}
 
 
 def test_merge_adds_the_endpoints_of_a_state_of_other_partitions():
     capacity = Capacity("items", 4)
     first, second = CacheState(capacity), CacheState(capacity)
-    first.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
-    second.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
-                 Position(1, 9))
+    first.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    second.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
+                      Position(1, 9))
     whole = CacheState(capacity)
-    whole.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
-    whole.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
-                Position(1, 9))
+    whole.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    whole.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 1, "image"), Item("b", 1, "image")]),
+                     Position(1, 9))
     first.merge(second)
-    assert first.digest() == whole.digest()
-    assert first.holders == {"a": {"e", "f"}, "b": {"f"}}
-    assert first.applied == {0: 3, 1: 9}
+    assert first.digests.digest() == whole.digests.digest()
+    assert first.index.holders == {"a": {"e", "f"}, "b": {"f"}}
+    assert first.lrus.applied == {0: 3, 1: 9}
 
 
 def test_merge_refuses_overlapping_partitions_and_other_capacities():
     state = CacheState(Capacity("items", 4))
-    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
+    state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 3))
     same = CacheState(Capacity("items", 4))
-    same.apply(ItemsPlaced(endpoint="g", items=[Item("a", 1, "image")]), Position(0, 5))
+    same.fold.apply(ItemsPlaced(endpoint="g", items=[Item("a", 1, "image")]), Position(0, 5))
     with pytest.raises(ValueError, match="different partitions"):
         state.merge(same)
     with pytest.raises(ValueError, match="capacity"):
         CacheState(Capacity("size", 4)).merge(state)
 
 
+def test_a_state_holds_its_parts_and_has_no_pass_through_methods():
+    """Callers use the parts (issue 32): a state's own methods are those that take more
+    than one part at once, so nothing can be done in two ways."""
+    state = CacheState(Capacity("items", 4))
+    public = {name for name in dir(state) if not name.startswith("_")}
+    assert public == {"lrus", "fold", "index", "loading", "digests", "from_export", "merge"}
+    assert all(part.lrus is state.lrus for part in (state.fold, state.index, state.loading, state.digests))
+
+
+def test_merge_takes_the_digests_with_the_lrus():
+    """Why ``merge`` is the state's and not ``Loading``'s: the LRUs merged alone are never
+    hashed into the sliced digest, which then differs from the digest of the whole."""
+    capacity = Capacity("items", 4)
+    first, second = CacheState(capacity), CacheState(capacity)
+    first.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    second.fold.apply(ItemsPlaced(endpoint="f", items=[Item("b", 1, "image")]), Position(1, 0))
+    alone = CacheState(capacity)
+    alone.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0))
+    alone.loading.merge(CacheState.from_export(capacity, second.loading.export()).lrus)
+    first.merge(second)
+    for state in (first, alone):
+        state.digests.start_round()
+        while not state.digests.refresh(100):
+            pass
+    assert first.digests.latest() == first.digests.digest() == alone.digests.digest()
+    assert alone.digests.latest() != alone.digests.digest()
+
+
 def test_export_then_from_export_gives_the_same_state():
     state = CacheState(Capacity("size", 10))
-    state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 4, "audio")]),
-                Position(2, 5))
-    state.apply(ItemsPlaced(endpoint="f", items=[Item("a", 3, "image")]), Position(1, 0))
-    copy = CacheState.from_export(state.capacity, state.export())
-    assert copy.digest() == state.digest()
-    assert copy.endpoints == state.endpoints
-    assert copy.holders == {"a": {"e", "f"}, "b": {"e"}}
-    assert copy.applied == {2: 5, 1: 0}
+    state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 3, "image"), Item("b", 4, "audio")]),
+                     Position(2, 5))
+    state.fold.apply(ItemsPlaced(endpoint="f", items=[Item("a", 3, "image")]), Position(1, 0))
+    copy = CacheState.from_export(state.lrus.capacity, state.loading.export())
+    assert copy.digests.digest() == state.digests.digest()
+    assert copy.lrus.endpoints == state.lrus.endpoints
+    assert copy.index.holders == {"a": {"e", "f"}, "b": {"e"}}
+    assert copy.lrus.applied == {2: 5, 1: 0}
 
 
 # -- the digest per endpoint, in slices ------------------------------------------------------
@@ -752,7 +780,7 @@ def _filled(endpoints: int, entries: int) -> CacheState:
     state = items_mode(entries)
     for e in range(endpoints):
         items = [Item(f"h{e}-{i}", 1 + i % 3, "image") for i in range(entries)]
-        state.apply(ItemsPlaced(endpoint=f"ns/pod-{e}", items=items), Position(0, e))
+        state.fold.apply(ItemsPlaced(endpoint=f"ns/pod-{e}", items=items), Position(0, e))
     return state
 
 
@@ -777,93 +805,94 @@ class _HashCount:
 
 
 def _settle(state: CacheState, budget: int) -> list[bool]:
-    state.start_digest_round()
-    done = [state.refresh_digests(budget)]
+    state.digests.start_round()
+    done = [state.digests.refresh(budget)]
     while not done[-1]:
-        done.append(state.refresh_digests(budget))
+        done.append(state.digests.refresh(budget))
     return done
 
 
 def test_a_slice_hashes_at_most_its_budget_of_entries_even_inside_one_endpoint(monkeypatch):
     state = _filled(3, 10)
     hashed = _HashCount(monkeypatch)
-    state.start_digest_round()
+    state.digests.start_round()
     counts = []
-    while not state.refresh_digests(4):
+    while not state.digests.refresh(4):
         counts.append(hashed.take())
     counts.append(hashed.take())
     assert max(counts) <= 4 and sum(counts) == 30  # 30 entries, each hashed once
-    assert state.cached_digest() == state.digest()
+    assert state.digests.cached() == state.digests.digest()
 
 
 def test_a_settled_digest_is_not_recomputed_and_a_change_rehashes_only_its_endpoint(monkeypatch):
     state = _filled(5, 8)
     _settle(state, 1000)
     hashed = _HashCount(monkeypatch)
-    assert state.cached_digest() == state.latest_digest()
+    assert state.digests.cached() == state.digests.latest()
     assert _settle(state, 1000) == [True] and hashed.take() == 0
-    state.apply(ItemsPlaced(endpoint="ns/pod-2", items=[Item("new", 1, "image")]), Position(0, 9))
-    assert state.cached_digest() is None  # a change is never answered from stale digests
+    state.fold.apply(ItemsPlaced(endpoint="ns/pod-2", items=[Item("new", 1, "image")]), Position(0, 9))
+    assert state.digests.cached() is None  # a change is never answered from stale digests
     _settle(state, 1000)
     assert hashed.take() == 8  # ns/pod-2's 8 entries (capacity 8), no other endpoint's
     hashed.take()
-    assert state.cached_digest() == state.digest()
+    assert state.digests.cached() == state.digests.digest()
 
 
 def test_every_mutation_path_makes_its_endpoint_pending():
     state = _filled(2, 4)
     changes = [
-        lambda: state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("x", 1, "image")]),
-                            Position(0, 10)),
-        lambda: state.apply(EndpointDeleted(endpoint="ns/pod-1"), Position(0, 11)),
-        lambda: state.apply(EndpointsSynced(live=["ns/other"]), Position(0, 12)),
-        lambda: state.follow(1, "ns/f", "y", 2),
-        lambda: state.follow(1, "ns/f", "y", None),
-        lambda: state.restore_lru(2, "ns/r", [("z", 1)]),
-        lambda: state.restore(3, 0, [Entry("ns/s", "w", 1, 0, 0)]),
-        lambda: state.drop_partition(2),
+        lambda: state.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("x", 1, "image")]),
+                                 Position(0, 10)),
+        lambda: state.fold.apply(EndpointDeleted(endpoint="ns/pod-1"), Position(0, 11)),
+        lambda: state.fold.apply(EndpointsSynced(live=["ns/other"]), Position(0, 12)),
+        lambda: state.fold.follow(1, "ns/f", "y", 2),
+        lambda: state.fold.follow(1, "ns/f", "y", None),
+        lambda: state.loading.restore_lru(2, "ns/r", [("z", 1)]),
+        lambda: state.loading.restore(3, 0, [Entry("ns/s", "w", 1, 0, 0)]),
+        lambda: state.loading.drop_partition(2),
     ]
     for change in changes:
         _settle(state, 3)
-        assert not state.digests_pending()
+        assert not state.digests.pending()
         change()
-        assert state.digests_pending()
+        assert state.digests.pending()
         _settle(state, 3)
-        assert state.cached_digest() == state.digest()
+        assert state.digests.cached() == state.digests.digest()
 
 
 def test_an_endpoint_changed_while_hashed_half_way_is_hashed_again():
     state = _filled(1, 10)
-    state.start_digest_round()
-    assert not state.refresh_digests(4)  # ns/pod-0 is half hashed
-    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-0", 1, "image")]), Position(0, 5))
-    while not state.refresh_digests(4):
+    state.digests.start_round()
+    assert not state.digests.refresh(4)  # ns/pod-0 is half hashed
+    state.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-0", 1, "image")]), Position(0, 5))
+    while not state.digests.refresh(4):
         pass
-    assert state.cached_digest() == state.digest()
-    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-1", 1, "image")]), Position(0, 6))
-    state.start_digest_round()
-    assert not state.refresh_digests(4)  # half hashed again
-    state.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-2", 1, "image")]), Position(0, 7))
-    state.start_digest_round()  # a new round begun while the changed endpoint is half done
-    assert state.cached_digest() is None
-    assert _settle(state, 4)[-1] and state.cached_digest() == state.digest()
+    assert state.digests.cached() == state.digests.digest()
+    state.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-1", 1, "image")]), Position(0, 6))
+    state.digests.start_round()
+    assert not state.digests.refresh(4)  # half hashed again
+    state.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("h0-2", 1, "image")]), Position(0, 7))
+    state.digests.start_round()  # a new round begun while the changed endpoint is half done
+    assert state.digests.cached() is None
+    assert _settle(state, 4)[-1] and state.digests.cached() == state.digests.digest()
 
 
 def test_combined_digest_from_cache_equals_combine_digests_of_endpoint_digests():
     state = _filled(7, 3)
     _settle(state, 2)
-    assert state.cached_digest() == combine_digests(state.endpoint_digests()) == state.digest()
+    digests = state.digests
+    assert digests.cached() == combine_digests(digests.endpoint_digests()) == digests.digest()
 
 
 def test_summary_ranks_by_items_then_name_for_any_limit():
     state = items_mode(5)
     for e, count in enumerate([3, 1, 3, 5, 2, 3]):
         items = [Item(f"h{i}", 2, "image") for i in range(count)]
-        state.apply(ItemsPlaced(endpoint=f"ns/p{e}", items=items), Position(0, e))
+        state.fold.apply(ItemsPlaced(endpoint=f"ns/p{e}", items=items), Position(0, e))
     full = [("ns/p3", 5, 10), ("ns/p0", 3, 6), ("ns/p2", 3, 6), ("ns/p5", 3, 6),
             ("ns/p4", 2, 4), ("ns/p1", 1, 2)]
     for limit in range(8):
-        assert [tuple(row) for row in state.summary(limit)] == full[:limit]
+        assert [tuple(row) for row in state.index.summary(limit)] == full[:limit]
 
 
 def test_hashes_and_names_are_stored_once_whatever_carried_them():
@@ -875,17 +904,17 @@ def test_hashes_and_names_are_stored_once_whatever_carried_them():
         return "".join(list(text))  # an equal string, never the same object
 
     raw = encode_event(ItemsPlaced(endpoint="ns/a", items=[Item("h" * 64, 1, "image")]))
-    state.apply(decode_event(raw), Position(0, 0))
-    state.apply(decode_event(raw), Position(0, 1))
-    state.apply(ItemsPlaced(endpoint=fresh("ns/b"), items=[Item(fresh("h" * 64), 1, "image")]),
-                Position(1, 0))
-    state.follow(2, fresh("ns/c"), fresh("h" * 64), 1)
-    state.restore_lru(3, fresh("ns/d"), [(fresh("h" * 64), 1)])
-    state.replace_lru(4, fresh("ns/e"), [(fresh("h" * 64), 1)])
-    keys = [next(iter(cache.entries)) for cache in state.endpoints.values()]
+    state.fold.apply(decode_event(raw), Position(0, 0))
+    state.fold.apply(decode_event(raw), Position(0, 1))
+    state.fold.apply(ItemsPlaced(endpoint=fresh("ns/b"), items=[Item(fresh("h" * 64), 1, "image")]),
+                     Position(1, 0))
+    state.fold.follow(2, fresh("ns/c"), fresh("h" * 64), 1)
+    state.loading.restore_lru(3, fresh("ns/d"), [(fresh("h" * 64), 1)])
+    state.loading.replace_lru(4, fresh("ns/e"), [(fresh("h" * 64), 1)])
+    keys = [next(iter(cache.entries)) for cache in state.lrus.endpoints.values()]
     assert len(keys) == 5 and all(key is keys[0] for key in keys)
-    (held,) = state.holders.values()
-    names = {id(name) for name in state.endpoints}
+    (held,) = state.index.holders.values()
+    names = {id(name) for name in state.lrus.endpoints}
     assert {id(name) for name in held} == names
 
 
@@ -896,14 +925,15 @@ def test_placing_an_item_whose_stale_index_entry_names_the_endpoint_heals_it():
     placed = iter(range(100))
 
     def place(endpoint: str, digest: str) -> None:
-        state.apply(ItemsPlaced(endpoint=endpoint, items=[Item(digest, 1, "image")]), Position(0, next(placed)))
+        state.fold.apply(ItemsPlaced(endpoint=endpoint, items=[Item(digest, 1, "image")]),
+                         Position(0, next(placed)))
 
     place("a", "h0")
     place("b", "h0")
-    state.restore_lru(0, "a", [("h1", 1)])  # a's h0 stays indexed, stale
+    state.loading.restore_lru(0, "a", [("h1", 1)])  # a's h0 stays indexed, stale
     place("a", "h0")
-    assert state.hits([Item("h0", 1, "image")], ["a", "b"])[1] == {"a": [Item("h0", 1, "image")],
+    assert state.index.hits([Item("h0", 1, "image")], ["a", "b"])[1] == {"a": [Item("h0", 1, "image")],
                                                                   "b": [Item("h0", 1, "image")]}
     for n in range(2, 6):  # evict h0 from a's LRU of 4
         place("a", f"h{n}")
-    assert state.holders["h0"] == {"b"}
+    assert state.index.holders["h0"] == {"b"}

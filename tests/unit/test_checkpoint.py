@@ -54,12 +54,12 @@ def kept_logs(draw):
     of_event: dict[int, list[int]] = {p: [] for p in range(partitions)}  # each record's event
     held = {p: 0 for p in range(partitions)}
     for position, event in log:
-        records = list(effect_records(ahead.apply(event, position), position.offset))
+        records = list(effect_records(ahead.fold.apply(event, position), position.offset))
         written[position.partition] += records
         of_event[position.partition] += [position.offset] * len(records)
         held[position.partition] += 1
         if held[position.partition] <= ends[position.partition]:
-            state.apply(event, position)
+            state.fold.apply(event, position)
     kept = {}
     for partition, records in written.items():
         events = [(position, event) for position, event in log
@@ -95,7 +95,7 @@ def test_the_checkpoint_plus_the_events_after_it_is_the_live_state(drawn, data):
         load_partition(rebuilt, partition, reader.records())
         for position, event in suffix:
             if position.offset > checkpoint:
-                rebuilt.apply(event, position)
+                rebuilt.fold.apply(event, position)
     assert_same(rebuilt, live)
 
 
@@ -178,8 +178,8 @@ def test_an_until_time_before_a_kept_event_under_the_checkpoint_is_refused_namin
 
 def test_a_checkpoint_made_at_a_larger_capacity_is_refused_naming_it():
     state = CacheState(Capacity("items", 4))
-    effects = state.apply(ItemsPlaced(endpoint="ns/a", items=[Item(f"h{i}", 1, "image")
-                                                              for i in range(4)]), Position(0, 0))
+    effects = state.fold.apply(ItemsPlaced(endpoint="ns/a", items=[Item(f"h{i}", 1, "image")
+                                                                   for i in range(4)]), Position(0, 0))
     reader = CheckpointReader(end=1)
     reader.feed(SimpleNamespace(key=k, value=v) for k, v in effect_records(effects, 0))
     refuse_over_capacity(reader, Capacity("items", 4), CHANGELOG)

@@ -152,28 +152,31 @@ def effects_as_tuples(effects: Any) -> Any:
 
 def observed(state: Any, queries: list[tuple[list[Item], list[str]]], budget: int) -> dict[str, Any]:
     """Everything a caller can read from a state, as plain values."""
-    hits = [state.hits(items, endpoints) for items, endpoints in queries]
+    hits = [state.index.hits(items, endpoints) for items, endpoints in queries]
     rounds = 0
-    state.start_digest_round()
-    while not state.refresh_digests(budget):
+    state.digests.start_round()
+    while not state.digests.refresh(budget):
         rounds += 1
-    restored = type(state)(state.capacity)
-    for partition, applied in state.applied.items():
-        restored.restore(partition, applied, [entry for p, entry in state.entries() if p == partition])
+    lrus = state.lrus
+    restored = type(state)(lrus.capacity)
+    for partition, applied in lrus.applied.items():
+        restored.loading.restore(partition, applied,
+                                 [entry for p, entry in state.loading.entries() if p == partition])
     return {
-        "entries": {name: list(cache.entries.items()) for name, cache in state.endpoints.items()},
-        "partitions": {name: cache.partition for name, cache in state.endpoints.items()},
-        "weights": {name: cache.weight for name, cache in state.endpoints.items()},
-        "holders": {digest: sorted(names) for digest, names in state.holders.items()},
-        "applied": state.applied,
-        "digest": state.digest(),
-        "sliced digest": (state.cached_digest(), rounds),
-        "summary": [tuple(row) for row in state.summary(3)],
+        "entries": {name: list(cache.entries.items()) for name, cache in lrus.endpoints.items()},
+        "partitions": {name: cache.partition for name, cache in lrus.endpoints.items()},
+        "weights": {name: cache.weight for name, cache in lrus.endpoints.items()},
+        "holders": {digest: sorted(names) for digest, names in state.index.holders.items()},
+        "applied": lrus.applied,
+        "digest": state.digests.digest(),
+        "sliced digest": (state.digests.cached(), rounds),
+        "summary": [tuple(row) for row in state.index.summary(3)],
         "hits": [(requested, [(n, items_as_tuples(i)) for n, i in found.items()]) for requested, found in hits],
         "match": [[{**m, "matched_items": items_as_tuples(m["matched_items"])}
-                   for m in state.match(items, endpoints)] for items, endpoints in queries],
-        "entries()": [(partition, tuple(entry)) for partition, entry in state.entries()],
-        "restored": (restored.digest(), {name: list(c.entries.items()) for name, c in restored.endpoints.items()}),
+                   for m in state.index.match(items, endpoints)] for items, endpoints in queries],
+        "entries()": [(partition, tuple(entry)) for partition, entry in state.loading.entries()],
+        "restored": (restored.digests.digest(),
+                     {name: list(c.entries.items()) for name, c in restored.lrus.endpoints.items()}),
     }
 
 
@@ -190,13 +193,13 @@ def test_a_state_folds_answers_and_hashes_alike(scenario, queries, budget):
     states = CacheState(scenario.capacity), reference_cache.CacheState(
         reference_cache.Capacity(*scenario.capacity))
     for position, event in scenario.log:
-        compiled, reference = (effects_as_tuples(state.apply(event, position)) for state in states)
+        compiled, reference = (effects_as_tuples(state.fold.apply(event, position)) for state in states)
         assert compiled == reference
     assert observed(states[0], queries, budget) == observed(states[1], queries, budget)
 
 
 def test_the_stage_bench_times_both_copies():
     costs = stage_costs(events=2_000, requests=10, passes=1, ingest_events=20, ingest_passes=1)
-    assert [cost.stage for cost in costs] == ["extract_items", "CacheState.hits", "render_match",
-                                              "CacheState.apply"]
+    assert [cost.stage for cost in costs] == ["extract_items", "Index.hits", "render_match",
+                                              "Fold.apply"]
     assert all(cost.reference_us > 0 and cost.compiled_us > 0 for cost in costs)

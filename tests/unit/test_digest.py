@@ -28,7 +28,7 @@ def filled(endpoints: int, entries: int) -> CacheState:
     state = CacheState(Capacity("items", entries))
     for e in range(endpoints):
         items = [Item(f"{e:04d}-{i:04d}" * 4, 1, "image") for i in range(entries)]
-        state.apply(ItemsPlaced(endpoint=f"ns/pod-{e:04d}", items=items), Position(0, e))
+        state.fold.apply(ItemsPlaced(endpoint=f"ns/pod-{e:04d}", items=items), Position(0, e))
     return state
 
 
@@ -71,7 +71,7 @@ ENDPOINTS, ENTRIES = 200, 1024
 
 def test_digest_without_blocking_yields_to_the_loop_every_slice(monkeypatch):
     state = filled(ENDPOINTS, ENTRIES)
-    expected = state.digest()
+    expected = state.digests.digest()
     holds = LoopHolds(monkeypatch)
     answer = asyncio.run(watched(holds, digest_without_blocking(state)))
     assert answer.value == expected and answer.settled
@@ -82,7 +82,7 @@ def test_get_state_never_hashes_more_than_one_slice_between_loop_turns(monkeypat
     """The finding itself: on the old code ``/v1/state`` hashed all 200k entries in one
     hold of the loop."""
     state = filled(ENDPOINTS, ENTRIES)
-    expected = state.digest()
+    expected = state.digests.digest()
     api = HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0), Metrics(state, dict),
                   Limits(), lambda: True)
     holds = LoopHolds(monkeypatch)
@@ -115,8 +115,8 @@ def test_under_continuous_writes_the_call_ends_unsettled_within_its_bound(monkey
     async def writer(done: asyncio.Event) -> None:
         while not done.is_set():
             for e in range(40):
-                state.apply(ItemsPlaced(endpoint=f"ns/pod-{e:04d}", items=[Item("w", 1, "image")]),
-                            Position(0, next(offsets)))
+                state.fold.apply(ItemsPlaced(endpoint=f"ns/pod-{e:04d}", items=[Item("w", 1, "image")]),
+                                 Position(0, next(offsets)))
             await asyncio.sleep(0)
 
     async def run():
@@ -132,4 +132,4 @@ def test_under_continuous_writes_the_call_ends_unsettled_within_its_bound(monkey
     assert not answer.settled and len(answer.value) == 64
     assert holds.longest <= 512
     rest = asyncio.run(digest_without_blocking(state, entries_per_slice=512))
-    assert rest.settled and rest.value == state.digest()
+    assert rest.settled and rest.value == state.digests.digest()

@@ -72,8 +72,8 @@ def test_the_documented_match_answer_is_the_one_the_service_computes():
     request, answer = json_blocks("http-api.md")[:2]
     items = extract_items(request["body"])
     state = CacheState(Capacity.from_params())
-    state.apply(ItemsPlaced(endpoint="default/pod-a", items=items), Position(0, 0))
-    requested, found = state.hits(items, request["endpoints"])
+    state.fold.apply(ItemsPlaced(endpoint="default/pod-a", items=items), Position(0, 0))
+    requested, found = state.index.hits(items, request["endpoints"])
     assert orjson.loads(render_match(items, requested, found)) == answer
 
 
@@ -213,7 +213,7 @@ def test_the_gateway_pages_sequence_leaves_the_state_it_shows():
               EndpointDeleted(endpoint="default/vllm-1"),
               EndpointsSynced(live=["default/vllm-0", "default/vllm-2"])]
     for offset, event in enumerate(events):
-        state.apply(event, Position(0, offset))
+        state.fold.apply(event, Position(0, offset))
     api = make_api()
     api.state = state
     ((status, answer, _),) = _answers(api, [("GET", "/v1/state?limit=3", None)])

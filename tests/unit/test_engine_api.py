@@ -66,7 +66,7 @@ def state_with_views() -> CacheState:
         report("ns/c", stored("h1")),
     ]
     for offset, event in enumerate(events):
-        state.apply(event, Position(0, offset))
+        state.fold.apply(event, Position(0, offset))
     return state
 
 
@@ -177,7 +177,7 @@ def test_a_report_the_log_could_never_take_is_413():
 
 def test_a_report_for_a_new_endpoint_past_max_total_endpoints_is_400():
     state = CacheState(Capacity.from_params(6))
-    state.apply(report("ns/a", stored("h")), Position(0, 0))
+    state.fold.apply(report("ns/a", stored("h")), Position(0, 0))
     api, publisher = make(state, Limits(max_total_endpoints=1))
     answers = run_calls(api, [("POST", "/v1/engine-events", with_(endpoint="ns/b")),
                               ("POST", "/v1/engine-events", with_(endpoint="ns/a"))])
@@ -228,7 +228,7 @@ def test_engine_answers_every_endpoint_from_its_view_and_one_that_never_reported
 
 def test_without_engine_views_every_entry_is_an_estimate_and_otherwise_as_before():
     state = CacheState(Capacity.from_params(6))
-    state.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 2, "image")]), Position(0, 0))
+    state.fold.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 2, "image")]), Position(0, 0))
     api, _ = make(state)
     assert match(api, "h1", endpoints=["ns/a", "ns/b"]) == [
         {"endpoint": "ns/a", "matched_items": [{"hash": "h1", "size": 2, "modality": "image"}],
@@ -239,7 +239,7 @@ def test_without_engine_views_every_entry_is_an_estimate_and_otherwise_as_before
 
 def test_a_cleared_view_still_answers_engine_with_nothing():
     state = state_with_views()
-    state.apply(report("ns/a", EngineCleared()), Position(0, 10))
+    state.fold.apply(report("ns/a", EngineCleared()), Position(0, 10))
     api, _ = make(state)
     assert hits(match(api, "h1", "h2", endpoints=["ns/a"])) == {"ns/a": ("engine", [])}
 
@@ -251,11 +251,11 @@ def test_a_wide_match_answers_as_a_narrow_one(mode):
     names = [f"ns/p{i}" for i in range(300)]
     for offset, name in enumerate(names):
         if offset % 3 == 0:
-            state.apply(report(name, stored("h1", f"x{offset}")), Position(0, 100 + 2 * offset))
+            state.fold.apply(report(name, stored("h1", f"x{offset}")), Position(0, 100 + 2 * offset))
         if offset % 2 == 0:
-            state.apply(ItemsPlaced(endpoint=name, items=[Item("h2", 2, "image")]),
-                        Position(0, 101 + 2 * offset))
-    assert len(state.engine.views) == 102
+            state.fold.apply(ItemsPlaced(endpoint=name, items=[Item("h2", 2, "image")]),
+                             Position(0, 101 + 2 * offset))
+    assert len(state.lrus.engine.views) == 102
     api, _ = make(state, match_source=mode)
     asked = ASKED + names
     wide = match(api, "h1", "h2", "h3", "h4", endpoints=asked)
@@ -285,7 +285,7 @@ def test_the_estimates_checks_count_each_reporting_endpoint_and_requested_item()
 
 def test_the_views_bound_drops_are_counted():
     state = CacheState(Capacity.from_params(6), 2)
-    state.apply(report("ns/a", stored("h1", "h2", "h3", "h4")), Position(0, 0))
+    state.fold.apply(report("ns/a", stored("h1", "h2", "h3", "h4")), Position(0, 0))
     api, _ = make(state)
     [(status, text)] = run_calls(api, [("GET", "/metrics", None)])
     assert "mmcache_engine_view_bound_drops_total 2.0" in text
@@ -294,7 +294,7 @@ def test_the_views_bound_drops_are_counted():
 
 def test_no_checks_are_counted_without_reporting_endpoints():
     state = CacheState(Capacity.from_params(6))
-    state.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 2, "image")]), Position(0, 0))
+    state.fold.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 2, "image")]), Position(0, 0))
     api, _ = make(state)
     match(api, "h1", endpoints=["ns/a"])
     assert checks(api) == {"true_hit": 0, "false_hit": 0, "missed_hit": 0, "true_miss": 0}

@@ -67,16 +67,16 @@ def place(endpoint: str, *hashes: str) -> ItemsPlaced:
 def folded(events: list, engine_entries: int = 4, partition: int = 0) -> CacheState:
     state = CacheState(CAPACITY, engine_entries)
     for offset, event in enumerate(events):
-        state.apply(event, Position(partition, offset))
+        state.fold.apply(event, Position(partition, offset))
     return state
 
 
 def views(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(view.entries.items()) for name, view in state.engine.views.items()}
+    return {name: list(view.entries.items()) for name, view in state.lrus.engine.views.items()}
 
 
 def lrus(state: CacheState) -> dict[str, list[tuple[str, int]]]:
-    return {name: list(cache.entries.items()) for name, cache in state.endpoints.items()}
+    return {name: list(cache.entries.items()) for name, cache in state.lrus.endpoints.items()}
 
 
 # -- the fold ------------------------------------------------------------------------------
@@ -91,14 +91,14 @@ def test_facts_apply_in_order():
 def test_storing_again_moves_an_entry_to_the_recent_end_with_its_new_size():
     state = folded([report("e", stored("a", "b")), report("e", stored("a", size=7))])
     assert views(state) == {"e": [("b", 1), ("a", 7)]}
-    assert state.engine.views["e"].weight == 8
+    assert state.lrus.engine.views["e"].weight == 8
 
 
 def test_cleared_empties_the_view_which_stays():
     state = folded([report("e", stored("a", "b")), report("e", EngineCleared())])
     assert views(state) == {"e": []}
-    assert state.engine.holders == {}
-    assert state.engine.reporting(["e", "g"]) == ["e"]
+    assert state.lrus.engine.holders == {}
+    assert state.lrus.engine.reporting(["e", "g"]) == ["e"]
 
 
 def test_placements_never_change_a_view_and_reports_never_change_an_lru():
@@ -107,14 +107,14 @@ def test_placements_never_change_a_view_and_reports_never_change_an_lru():
     state = folded(log)
     assert views(state) == {"e": []}
     assert lrus(state) == lrus(folded([event for event in log if isinstance(event, ItemsPlaced)]))
-    assert state.holders == {"b": {"e"}, "c": {"e"}, "d": {"e"}}
+    assert state.index.holders == {"b": {"e"}, "c": {"e"}, "d": {"e"}}
 
 
 def test_deleting_the_endpoint_drops_both():
     state = folded([place("e", "a"), report("e", stored("a")), report("f", stored("a")),
                     EndpointDeleted(endpoint="e")])
     assert lrus(state) == {} and views(state) == {"f": [("a", 1)]}
-    assert state.engine.holders == {"a": {"f"}}
+    assert state.lrus.engine.holders == {"a": {"f"}}
     only_view = folded([report("e", EngineCleared()), EndpointDeleted(endpoint="e")])
     assert views(only_view) == {}
 
@@ -125,41 +125,42 @@ def test_a_sync_drops_both_of_every_endpoint_of_its_partition_not_live():
            (Position(0, 2), report("f", stored("b"))), (Position(1, 0), report("g", stored("c"))),
            (Position(0, 3), EndpointsSynced(live=["f"])), (Position(1, 1), EndpointsSynced(live=[]))]
     for position, event in log:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     assert views(state) == {"f": [("b", 1)], "g": [("c", 1)]}  # g: another partition; [] is ignored
     assert lrus(state) == {}
 
 
 def test_a_view_holds_at_most_its_bound_dropping_the_least_recently_stored():
     state = CacheState(CAPACITY, 3)
-    state.apply(report("e", stored("a")), Position(0, 0))
-    effects = state.apply(report("e", stored("b", "c", "d"), stored("b"), stored("x")), Position(0, 1))
+    state.fold.apply(report("e", stored("a")), Position(0, 0))
+    effects = state.fold.apply(report("e", stored("b", "c", "d"), stored("b"), stored("x")), Position(0, 1))
     assert views(state) == {"e": [("d", 1), ("b", 1), ("x", 1)]}
     assert [(change.hash, change.size) for change in effects.engine] == [
         ("d", 1), ("b", 1), ("x", 1), ("a", None)]  # c came and went: nothing to store
-    assert state.engine.bound_drops == 2
+    assert state.lrus.engine.bound_drops == 2
     with pytest.raises(ValueError):
         CacheState(CAPACITY, 0)
 
 
 def test_a_redelivered_report_changes_nothing():
     state = folded([report("e", stored("a"))])
-    digest = state.digest()
-    assert state.apply(report("e", EngineCleared()), Position(0, 0)) is None
-    assert state.digest() == digest and views(state) == {"e": [("a", 1)]}
+    digest = state.digests.digest()
+    assert state.fold.apply(report("e", EngineCleared()), Position(0, 0)) is None
+    assert state.digests.digest() == digest and views(state) == {"e": [("a", 1)]}
 
 
 def test_the_effects_say_the_views_changes_in_the_folds_order():
     state = CacheState(CAPACITY, 4)
-    state.apply(report("e", stored("b", "c")), Position(0, 8))
-    effects = state.apply(report("e", stored("a"), EngineItemsRemoved(hashes=["a", "b"]), stored("a", size=2),
-                                 EngineCleared(), stored("c", "a")), Position(0, 9))
+    state.fold.apply(report("e", stored("b", "c")), Position(0, 8))
+    effects = state.fold.apply(report("e", stored("a"), EngineItemsRemoved(hashes=["a", "b"]),
+                                      stored("a", size=2), EngineCleared(), stored("c", "a")),
+                               Position(0, 9))
     assert views(state) == {"e": [("c", 1), ("a", 1)]}
     # net: once per key, every entry left stored in the order of its last store, then removals
     assert effects.engine == [EngineChange("e", "c", 1, 9, 2), EngineChange("e", "a", 1, 9, 3),
                               EngineChange("e", "b", None, 9, 0)]
     assert effects.upserts == [] and effects.removals == []
-    created = CacheState(CAPACITY, 4).apply(report("e", stored("a")), Position(0, 0))
+    created = CacheState(CAPACITY, 4).fold.apply(report("e", stored("a")), Position(0, 0))
     assert created.engine == [EngineChange("e", None, 0, 0, 0), EngineChange("e", "a", 1, 0, 0)]
     table: dict[bytes, bytes] = {}
     write_effects(table, created, 0)
@@ -176,41 +177,42 @@ def test_the_event_round_trips_the_log():
 
 def test_a_state_without_views_has_the_digest_it_always_had():
     state = folded([place("e", "a", "b"), place("f", "c")])
-    assert state.digest() == combine_digests(
-        {name: part for name, part in state.endpoint_digests().items()})
-    assert set(state.endpoint_digests()) == {"e", "f"}
+    assert state.digests.digest() == combine_digests(
+        {name: part for name, part in state.digests.endpoint_digests().items()})
+    assert set(state.digests.endpoint_digests()) == {"e", "f"}
 
 
 def test_the_digest_covers_the_views():
     base = [place("e", "a")]
     digests = {
-        "none": folded(base).digest(),
-        "empty": folded(base + [report("e", EngineCleared())]).digest(),
-        "a": folded(base + [report("e", stored("a"))]).digest(),
-        "a2": folded(base + [report("e", stored("a", size=2))]).digest(),
-        "ab": folded(base + [report("e", stored("a", "b"))]).digest(),
-        "ba": folded(base + [report("e", stored("b", "a"))]).digest(),
-        "other": folded(base + [report("f", stored("a"))]).digest(),
+        "none": folded(base).digests.digest(),
+        "empty": folded(base + [report("e", EngineCleared())]).digests.digest(),
+        "a": folded(base + [report("e", stored("a"))]).digests.digest(),
+        "a2": folded(base + [report("e", stored("a", size=2))]).digests.digest(),
+        "ab": folded(base + [report("e", stored("a", "b"))]).digests.digest(),
+        "ba": folded(base + [report("e", stored("b", "a"))]).digests.digest(),
+        "other": folded(base + [report("f", stored("a"))]).digests.digest(),
     }
     assert len(set(digests.values())) == len(digests)
-    assert set(folded(base + [report("e", stored("a"))]).endpoint_digests()) == {"e", DIGEST_MARK + "e"}
+    reported = folded(base + [report("e", stored("a"))])
+    assert set(reported.digests.endpoint_digests()) == {"e", DIGEST_MARK + "e"}
 
 
 def test_the_sliced_digest_covers_the_views_as_the_whole_one():
     state = folded([place("e", "a"), report("e", stored(*HASHES)), report("f", stored("a"))], 8)
-    state.start_digest_round()
-    while not state.refresh_digests(2):
+    state.digests.start_round()
+    while not state.digests.refresh(2):
         pass
-    assert state.cached_digest() == state.digest()
-    state.apply(report("e", EngineItemsRemoved(hashes=["h1"])), Position(0, 10))
-    assert state.cached_digest() is None
-    state.start_digest_round()
-    while not state.refresh_digests(1):
-        state.apply(report("f", stored("z")), Position(0, 11))  # changes half-way
-    state.start_digest_round()
-    while not state.refresh_digests(3):
+    assert state.digests.cached() == state.digests.digest()
+    state.fold.apply(report("e", EngineItemsRemoved(hashes=["h1"])), Position(0, 10))
+    assert state.digests.cached() is None
+    state.digests.start_round()
+    while not state.digests.refresh(1):
+        state.fold.apply(report("f", stored("z")), Position(0, 11))  # changes half-way
+    state.digests.start_round()
+    while not state.digests.refresh(3):
         pass
-    assert state.cached_digest() == state.digest()
+    assert state.digests.cached() == state.digests.digest()
 
 
 # -- every path state takes, for any log --------------------------------------------------------
@@ -256,7 +258,7 @@ def live(log: list[Record], engine_entries: int = 3) -> tuple[CacheState, dict[i
     state = CacheState(CAPACITY, engine_entries)
     changelog: dict[int, list] = defaultdict(list)
     for position, event in log:
-        effects = state.apply(event, position)
+        effects = state.fold.apply(event, position)
         changelog[position.partition].extend(effect_records(effects, position.offset))
     return state, changelog
 
@@ -276,14 +278,14 @@ def stores_of(changelog: dict[int, list]) -> dict[int, dict[bytes, bytes]]:
 def assert_same(copy: CacheState, state: CacheState) -> None:
     assert views(copy) == views(state)
     assert lrus(copy) == lrus(state)
-    assert copy.engine.holders == state.engine.holders
-    assert copy.holders == state.holders
-    assert copy.applied == state.applied
-    assert copy.digest() == state.digest()
-    assert {n: v.weight for n, v in copy.engine.views.items()} == {
-        n: v.weight for n, v in state.engine.views.items()}
-    assert {n: v.partition for n, v in copy.engine.views.items()} == {
-        n: v.partition for n, v in state.engine.views.items()}
+    assert copy.lrus.engine.holders == state.lrus.engine.holders
+    assert copy.index.holders == state.index.holders
+    assert copy.lrus.applied == state.lrus.applied
+    assert copy.digests.digest() == state.digests.digest()
+    assert {n: v.weight for n, v in copy.lrus.engine.views.items()} == {
+        n: v.weight for n, v in state.lrus.engine.views.items()}
+    assert {n: v.partition for n, v in copy.lrus.engine.views.items()} == {
+        n: v.partition for n, v in state.lrus.engine.views.items()}
 
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -309,8 +311,8 @@ def test_a_reload_in_slices_over_a_stale_view_equals_live(drawn, stale, per_slic
     for partition, table in sorted(stores_of(changelog).items()):
         for _ in load_partition_in_slices(old, partition, sorted(table.items()), per_slice):
             pass
-    for partition in set(old.applied) - set(changelog):
-        old.drop_partition(partition)
+    for partition in set(old.lrus.applied) - set(changelog):
+        old.loading.drop_partition(partition)
     assert_same(old, state)
 
 
@@ -368,7 +370,7 @@ def test_resuming_from_an_earlier_point_equals_one_pass(drawn, data):
     resume = data.draw(st.integers(0, stop))
     state, _ = live(log[:stop])
     for position, event in log[resume:]:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     assert_same(state, live(log)[0])
 
 
@@ -386,7 +388,7 @@ def test_a_changelog_written_again_by_a_zombie_changes_nothing(drawn):
         mine = CacheState(CAPACITY, 3)
         for position, event in log:
             if position.partition == partition:
-                mine.apply(event, position)
+                mine.fold.apply(event, position)
         assert views(follower.view) == views(mine) and lrus(follower.view) == lrus(mine)
 
 
@@ -400,8 +402,8 @@ def test_the_preloads_export_and_merge_equal_live(drawn):
         part = CacheState(CAPACITY, 3)
         for position, event in log:
             if position.partition == partition:
-                part.apply(event, position)
-        merged.merge(CacheState.from_export(CAPACITY, part.export()))
+                part.fold.apply(event, position)
+        merged.merge(CacheState.from_export(CAPACITY, part.loading.export()))
     assert_same(merged, state)
 
 
@@ -422,9 +424,9 @@ def test_rebuilds_files_load_as_live(drawn):
             finally:
                 db.close()
             assert {(e.endpoint, e.hash) for e in entries} == {
-                (n, h) for n, c in state.endpoints.items() if c.partition == partition for h in c.entries}
+                (n, h) for n, c in state.lrus.endpoints.items() if c.partition == partition for h in c.entries}
     assert views(loaded) == views(state)
-    assert loaded.digest() == state.digest()
+    assert loaded.digests.digest() == state.digests.digest()
 
 
 @SETTINGS
@@ -445,9 +447,9 @@ def test_the_lrus_are_those_of_the_log_without_its_engine_reports(drawn):
     _, log = drawn
     state, _ = live(log)
     without, _ = live([(p, e) for p, e in log if not isinstance(e, EngineEventsReported)])
-    assert lrus(state) == lrus(without) and state.holders == without.holders
-    parts = state.endpoint_digests()
-    assert {n: d for n, d in parts.items() if not n.startswith(DIGEST_MARK)} == without.endpoint_digests()
+    assert lrus(state) == lrus(without) and state.index.holders == without.index.holders
+    parts = state.digests.endpoint_digests()
+    assert {n: d for n, d in parts.items() if not n.startswith(DIGEST_MARK)} == without.digests.endpoint_digests()
 
 
 # -- the answer's sources ---------------------------------------------------------------------

@@ -66,8 +66,8 @@ def seeded_changelog(state: CacheState, partitions: int) -> dict[int, list[tuple
 
 def test_a_seeded_partition_sends_its_applied_record_last():
     state = CacheState(CAPACITY, 3)
-    state.apply(place("e", "a"), Position(0, 0))
-    state.apply(report("e", stored("h1", "9f" * 32)), Position(0, 4))
+    state.fold.apply(place("e", "a"), Position(0, 0))
+    state.fold.apply(report("e", stored("h1", "9f" * 32)), Position(0, 4))
     records = seeded_changelog(state, 1)[0]
     assert records[-1][0] == APPLIED_KEY
     assert [key[:1] for key, _ in records] == [b"\x01", b"\x04", b"\x04", b"\x04", b"\x02"]
@@ -100,22 +100,22 @@ def test_a_seeded_changelog_read_back_equals_live(drawn, data):
         asyncio.run(load_partition_into_view(follower.view, partition,
                                              follower.rereads.pop(partition).records()))
         resuming._take(partition, fed)
-        if partition in state.applied:  # a kept log cut at the applied record keeps them all
-            assert applied_prefix(fed, state.applied[partition] + 1, applied_at) == len(fed)
+        if partition in state.lrus.applied:  # a kept log cut at the applied record keeps them all
+            assert applied_prefix(fed, state.lrus.applied[partition] + 1, applied_at) == len(fed)
     assert_same(rereads, state)
     assert_same(follower.view, state)
     # a follower already past its re-read applies them as they come, in key order: the
     # same entries (their order is the rank's only through a re-read, for LRUs as well)
-    assert {n: set(v.entries.items()) for n, v in resuming.view.engine.views.items()} == {
-        n: set(v.entries.items()) for n, v in state.engine.views.items()}
-    assert resuming.view.engine.holders == state.engine.holders
+    assert {n: set(v.entries.items()) for n, v in resuming.view.lrus.engine.views.items()} == {
+        n: set(v.entries.items()) for n, v in state.lrus.engine.views.items()}
+    assert resuming.view.lrus.engine.holders == state.lrus.engine.holders
 
 
 def test_the_gate_counts_the_records_it_drops():
     """Records ranked at or below the applied offset that come after it are dropped, and
     counted: what the key order lost unseen before the applied record went last."""
     state = CacheState(CAPACITY, 3)
-    state.apply(report("e", stored("h1", "h2")), Position(0, 0))
+    state.fold.apply(report("e", stored("h1", "h2")), Position(0, 0))
     records = seeded_changelog(state, 1)[0]
     key_order = sorted(records)  # the file's order, the applied record before the views'
     gate = ChangelogGate()
@@ -146,21 +146,21 @@ def test_an_old_marker_without_the_bound_reads_as_the_default(tmp_path):
     datadir.check(DataDir.identity(APP, TOPIC, CAPACITY))
     assert DataDir.identity(APP, TOPIC, CAPACITY)["engine_view_max_entries"] == ENGINE_VIEW_ENTRIES
     assert datadir.read_identity() == DataDir.identity(APP, TOPIC, CAPACITY)
-    assert datadir.load_state().engine.max_entries == ENGINE_VIEW_ENTRIES
+    assert datadir.load_state().lrus.engine.max_entries == ENGINE_VIEW_ENTRIES
 
 
 def test_a_dir_loads_with_the_bound_it_was_folded_with(tmp_path):
     state = CacheState(CAPACITY, 2)
-    state.apply(report("e", stored("a", "b", "c")), Position(0, 0))
+    state.fold.apply(report("e", stored("a", "b", "c")), Position(0, 0))
     datadir = DataDir(tmp_path)
     datadir.check(DataDir.identity(APP, TOPIC, CAPACITY, 2))
     write_state(datadir, state, [0])
     loaded = DataDir(tmp_path).load_state()
-    assert loaded.engine.max_entries == 2
-    loaded.apply(report("e", stored("d")), Position(0, 1))
-    state.apply(report("e", stored("d")), Position(0, 1))
-    assert list(loaded.engine.views["e"].entries) == list(state.engine.views["e"].entries) == ["c", "d"]
-    assert loaded.digest() == state.digest()
+    assert loaded.lrus.engine.max_entries == 2
+    loaded.fold.apply(report("e", stored("d")), Position(0, 1))
+    state.fold.apply(report("e", stored("d")), Position(0, 1))
+    assert list(loaded.lrus.engine.views["e"].entries) == list(state.lrus.engine.views["e"].entries) == ["c", "d"]
+    assert loaded.digests.digest() == state.digests.digest()
 
 
 # -- 3. a reload or re-read turns the loop within engine records too -------------------------
@@ -203,9 +203,9 @@ def test_no_step_of_a_load_reads_more_than_a_slice_and_one_endpoint(source):
     steps = per_step(records, state, 32)
     assert sum(steps) == len(records)
     assert max(steps) <= 32 + 41 + 2  # the slice, one view and its own record, the next key, the applied one
-    assert len(state.engine.views) == 50 and len(state.endpoints) == 50
-    assert list(state.engine.views["ns/pod-7"].entries) == hashes  # ranked as stored
-    assert state.applied == {0: 9}
+    assert len(state.lrus.engine.views) == 50 and len(state.lrus.endpoints) == 50
+    assert list(state.lrus.engine.views["ns/pod-7"].entries) == hashes  # ranked as stored
+    assert state.lrus.applied == {0: 9}
 
 
 # -- 4. a dropped view is one change, written as one record per entry ------------------------
@@ -219,16 +219,16 @@ def test_a_dropped_view_is_one_change_whose_records_remove_each_entry_then_the_v
 
     state, table = CacheState(CAPACITY, 8), {}
     for offset, event in enumerate([report("e", stored("a", "9f" * 32, "c")), report("f", stored("a"))]):
-        write_effects(table, state.apply(event, Position(0, offset)), offset)
+        write_effects(table, state.fold.apply(event, Position(0, offset)), offset)
     gone = EndpointDeleted(endpoint="e") if drop == "deleted" else EndpointsSynced(live=["f"])
-    effects = state.apply(gone, Position(0, 2))
+    effects = state.fold.apply(gone, Position(0, 2))
     assert effects.engine == [EngineChange("e", None, None, 0, 0, ("a", "9f" * 32, "c"))]
     assert list(effect_records(effects, 2)) == [
         (engine_key("e", "a"), None), (engine_key("e", "9f" * 32), None), (engine_key("e", "c"), None),
         (engine_key("e"), None), (APPLIED_KEY, b"\x00" * 7 + b"\x02")]
     write_effects(table, effects, 2)
     assert sorted(table) == sorted([engine_key("f"), engine_key("f", "a"), APPLIED_KEY])
-    assert state.engine.holders == {"a": {"f"}}
+    assert state.lrus.engine.holders == {"a": {"f"}}
 
 
 def test_a_slice_of_the_keepers_apply_ends_once_its_store_records_reach_the_bound(monkeypatch):
@@ -259,7 +259,7 @@ def test_a_slice_of_the_keepers_apply_ends_once_its_store_records_reach_the_boun
 
         async def tick() -> None:
             while not done:
-                seen.append(sliced.state.applied.get(0, -1))
+                seen.append(sliced.state.lrus.applied.get(0, -1))
                 await asyncio.sleep(0)
 
         ticker = asyncio.create_task(tick())
@@ -272,5 +272,5 @@ def test_a_slice_of_the_keepers_apply_ends_once_its_store_records_reach_the_boun
     seen = asyncio.run(apply_while_ticking())
     steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
     assert max(steps) == 3 and len(steps) >= len(records) // 3 - 1  # 3 x 41 records reach 100
-    assert sliced.state.digest() == whole.state.digest()
+    assert sliced.state.digests.digest() == whole.state.digests.digest()
     assert sliced.mirror.stores == whole.mirror.stores

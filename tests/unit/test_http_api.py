@@ -11,6 +11,7 @@ import pytest
 from stream.config import Limits
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
+from stream.core.index import Index
 from stream.core.items import Item
 from stream.core.render import render_match
 from stream.http.api import ApiError, HttpApi
@@ -24,7 +25,7 @@ DEFAULT_LIMITS = Limits()
 
 def make_api(limits: Limits = DEFAULT_LIMITS) -> HttpApi:
     state = CacheState(Capacity.from_params(6))
-    state.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 1, "image")]), Position(0, 0))
+    state.fold.apply(ItemsPlaced(endpoint="ns/a", items=[Item("h1", 1, "image")]), Position(0, 0))
     return HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0), Metrics(state, dict),
                    limits, lambda: True)
 
@@ -115,10 +116,10 @@ def test_405_says_which_methods_the_path_takes():
 def test_an_unexpected_failure_is_a_json_500_that_reveals_nothing(monkeypatch):
     api = make_api()
 
-    def broken(limit):
+    def broken(index, limit):
         raise RuntimeError("internal detail /secret/path")
 
-    monkeypatch.setattr(api.state, "summary", broken)
+    monkeypatch.setattr(Index, "summary", broken)
 
     async def run():
         async with served(api) as client:
@@ -214,7 +215,7 @@ def test_answers_are_counted_by_route_and_code_and_readiness_is_a_gauge():
 def wide_api(endpoints: int, held: dict[str, list[Item]], limits: Limits = DEFAULT_LIMITS) -> HttpApi:
     state = CacheState(Capacity.from_params(None, None))
     for offset, (name, items) in enumerate(held.items()):
-        state.apply(ItemsPlaced(endpoint=name, items=items), Position(0, offset))
+        state.fold.apply(ItemsPlaced(endpoint=name, items=items), Position(0, offset))
     return HttpApi(state, EventPublisher("127.0.0.1:1", "unused", 1.0), Metrics(state, dict),
                    limits, lambda: True)
 
@@ -249,10 +250,10 @@ def test_a_wide_match_is_answered_in_slices_with_the_bytes_of_the_one_go_answer(
     [(status, answer)] = answers_of(api, [("POST", "/v1/match", orjson.dumps(body))])
     request_items = [Item(i.hash, 1, "image") for i in items]
     assert status == 200 and len(asked) * len(items) > 1024  # the sliced path
-    assert answer == render_match(request_items, *api.state.hits(request_items, asked))
+    assert answer == render_match(request_items, *api.state.index.hits(request_items, asked))
     assert orjson.loads(answer)["endpoints"][0]["endpoint"] == asked[0]
     one_go = Metrics(api.state, dict)  # hits counted in slices: the same figures as in one go
-    one_go.record_match(request_items, api.state.hits(request_items, asked)[1])
+    one_go.record_match(request_items, api.state.index.hits(request_items, asked)[1])
     assert api.metrics._hits == one_go._hits and sum(one_go._hits.values()) > 10 * 256
     assert api.metrics._queries == one_go._queries
     assert (api.metrics.hit_ratio.counts, api.metrics.hit_ratio.sum) == (one_go.hit_ratio.counts, one_go.hit_ratio.sum)

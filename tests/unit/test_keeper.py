@@ -65,7 +65,7 @@ def feed(keeper: StateKeeper, records) -> None:
 def fold(scenario: Scenario) -> CacheState:
     state = CacheState(scenario.capacity)
     for position, event in scenario.log:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     return state
 
 
@@ -91,7 +91,7 @@ def reload(keeper: StateKeeper, tables: dict, preload: LocalPreload | None = Non
 
 
 def reloaded(keeper: StateKeeper) -> CacheState:
-    fresh = keeper_for(keeper.state.capacity)
+    fresh = keeper_for(keeper.state.lrus.capacity)
     reload(fresh, {0: table_of(keeper)})
     return fresh.state
 
@@ -105,9 +105,9 @@ def test_applying_records_in_order_builds_the_state(scenario):
     keeper = keeper_for(scenario.capacity)
     feed(keeper, records_of(scenario))
     expected = fold(scenario)
-    assert keeper.state.digest() == expected.digest()
+    assert keeper.state.digests.digest() == expected.digests.digest()
     assert view(keeper.state) == view(expected)
-    assert keeper.state.applied == expected.applied
+    assert keeper.state.lrus.applied == expected.lrus.applied
     assert events_counted(keeper) == len(scenario.log)
     assert sample(keeper, "mmcache_redelivered_events_total") == 0
     assert sample(keeper, "mmcache_malformed_events_total") == 0
@@ -121,12 +121,12 @@ def test_redelivered_suffix_changes_neither_state_nor_table(scenario, data):
     keeper = keeper_for(scenario.capacity)
     records = records_of(scenario)
     feed(keeper, records)
-    digest, applied, table = keeper.state.digest(), dict(keeper.state.applied), dict(table_of(keeper))
+    digest, applied, table = keeper.state.digests.digest(), dict(keeper.state.lrus.applied), dict(table_of(keeper))
     counted = events_counted(keeper)
     start = data.draw(st.integers(0, len(records)), label="start")
     feed(keeper, records[start:])
-    assert keeper.state.digest() == digest
-    assert keeper.state.applied == applied
+    assert keeper.state.digests.digest() == digest
+    assert keeper.state.lrus.applied == applied
     assert table_of(keeper) == table
     assert sample(keeper, "mmcache_redelivered_events_total") == len(records) - start
     assert events_counted(keeper) == counted
@@ -146,8 +146,8 @@ def test_crash_reload_and_redelivery_equals_one_pass(scenario, data):
     reload(second, {0: table_of(second)})
     feed(second, records[resume:])
     once = fold(scenario)
-    assert second.state.digest() == once.digest()
-    assert second.state.applied == once.applied
+    assert second.state.digests.digest() == once.digests.digest()
+    assert second.state.lrus.applied == once.lrus.applied
     assert sample(second, "mmcache_redelivered_events_total") == stop - resume
 
 
@@ -157,26 +157,26 @@ def test_reload_from_the_table_gives_the_same_state(scenario):
     keeper = keeper_for(scenario.capacity)
     feed(keeper, records_of(scenario))
     copy = reloaded(keeper)
-    assert copy.digest() == keeper.state.digest()
+    assert copy.digests.digest() == keeper.state.digests.digest()
     assert view(copy) == view(keeper.state)
-    assert copy.applied == keeper.state.applied
-    assert copy.holders == keeper.state.holders
+    assert copy.lrus.applied == keeper.state.lrus.applied
+    assert copy.index.holders == keeper.state.index.holders
 
 
 def test_reload_replaces_the_reloaded_partitions_and_keeps_the_others():
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")])))])
-    digest = keeper.state.digest()
+    digest = keeper.state.digests.digest()
     stray = ItemsPlaced(endpoint="stray", items=[Item("z", 1, "image")])
-    keeper.state.apply(stray, Position(0, 7))  # in partition 0's view, not in its table
+    keeper.state.fold.apply(stray, Position(0, 7))  # in partition 0's view, not in its table
     other = ItemsPlaced(endpoint="other", items=[Item("o", 1, "image")])
-    keeper.state.apply(other, Position(5, 0))  # another partition, kept by the follower
+    keeper.state.fold.apply(other, Position(5, 0))  # another partition, kept by the follower
     reload(keeper, {0: table_of(keeper)})
-    assert keeper.state.applied == {0: 0, 5: 0}
-    assert "z" not in keeper.state.holders
-    assert keeper.state.holders["o"] == {"other"}
-    keeper.state.drop_partition(5)
-    assert keeper.state.digest() == digest
+    assert keeper.state.lrus.applied == {0: 0, 5: 0}
+    assert "z" not in keeper.state.index.holders
+    assert keeper.state.index.holders["o"] == {"other"}
+    keeper.state.loading.drop_partition(5)
+    assert keeper.state.digests.digest() == digest
 
 
 # -- preloading the local state -------------------------------------------------------------
@@ -226,9 +226,9 @@ def test_a_preload_of_unchanged_partitions_is_taken_over_without_reading_them_ag
     keeper = keeper_for(scenario.capacity)
     reload(keeper, tables, preload)
     expected = fold(scenario)
-    assert keeper.state.digest() == expected.digest()
-    assert keeper.state.applied == expected.applied
-    assert keeper.state.holders == expected.holders
+    assert keeper.state.digests.digest() == expected.digests.digest()
+    assert keeper.state.lrus.applied == expected.lrus.applied
+    assert keeper.state.index.holders == expected.index.holders
     assert [t.reads for t in tables.values()] == [0, 0, 0]
 
 
@@ -243,13 +243,13 @@ def test_a_preloaded_partition_that_recovery_changed_is_read_again_and_one_not_o
     # after the preload, recovery wrote a changelog record to partition 1
     later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
     expected = fold(scenario)
-    write_effects(tables[1], expected.apply(later, Position(1, 1)), 1)
+    write_effects(tables[1], expected.fold.apply(later, Position(1, 1)), 1)
     tables[1][FAUST_OFFSET_KEY] = b"42"
     keeper = keeper_for(scenario.capacity)
     reload(keeper, {0: tables[0], 1: tables[1]}, preload)  # partition 2 went to another worker
-    assert keeper.state.digest() == expected.digest()
-    assert keeper.state.applied == {0: 0, 1: 1, 2: 0}
-    assert keeper.state.holders["h2"] == {"ns/pod-2"}
+    assert keeper.state.digests.digest() == expected.digests.digest()
+    assert keeper.state.lrus.applied == {0: 0, 1: 1, 2: 0}
+    assert keeper.state.index.holders["h2"] == {"ns/pod-2"}
     assert (tables[0].reads, tables[1].reads) == (0, 1)
 
 
@@ -273,7 +273,7 @@ def test_a_preload_taken_in_before_the_recovery_is_not_merged_again(tmp_path):
     preload.merge_into(keeper.state)  # the early readiness of a restart
     tables = tables_of(datadir)
     reload(keeper, tables, preload)  # the first recovery, after the group join
-    assert keeper.state.digest() == fold(scenario).digest()
+    assert keeper.state.digests.digest() == fold(scenario).digests.digest()
     assert [t.reads for t in tables.values()] == [0, 0]
 
 
@@ -287,7 +287,7 @@ def test_a_preload_that_failed_leaves_the_reading_to_the_keeper(tmp_path):
     assert preload.state is None
     keeper = keeper_for(scenario.capacity)
     reload(keeper, tables, preload)
-    assert keeper.state.digest() == fold(scenario).digest()
+    assert keeper.state.digests.digest() == fold(scenario).digests.digest()
     assert tables[0].reads == 1
 
 
@@ -311,12 +311,12 @@ def test_a_rebalance_reads_only_the_partitions_whose_files_moved_past_the_view(t
     # the recovery restored a record another owner wrote to partition 1
     later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
     expected = fold(scenario)
-    write_effects(tables[1], expected.apply(later, Position(1, 1)), 1)
+    write_effects(tables[1], expected.fold.apply(later, Position(1, 1)), 1)
     tables[1][FAUST_OFFSET_KEY] = b"42"
     reload(keeper, tables)
     assert [t.reads for t in tables.values()] == [1, 2, 1]
-    assert keeper.state.digest() == expected.digest()
-    assert keeper.state.holders["late"] == {"ns/pod-1"}
+    assert keeper.state.digests.digest() == expected.digests.digest()
+    assert keeper.state.index.holders["late"] == {"ns/pod-1"}
 
 
 def test_a_partition_whose_mark_was_forgotten_or_a_view_not_stored_is_read_again(tmp_path):
@@ -333,7 +333,7 @@ def test_a_partition_whose_mark_was_forgotten_or_a_view_not_stored_is_read_again
     keeper._rejected["apply_failed"] = 1  # a fold failed part-way: the view is not its files'
     reload(keeper, tables)
     assert [t.reads for t in tables.values()] == [4, 2, 3]
-    assert keeper.state.digest() == fold(scenario).digest()
+    assert keeper.state.digests.digest() == fold(scenario).digests.digest()
 
 
 def test_a_partition_the_follower_held_to_the_files_offset_is_taken_over_without_reading_it(tmp_path):
@@ -344,7 +344,7 @@ def test_a_partition_the_follower_held_to_the_files_offset_is_taken_over_without
     followed = CacheState(scenario.capacity)  # what the follower read of partition 2
     for position, event in scenario.log:
         if position.partition == 2:
-            followed.apply(event, position)
+            followed.fold.apply(event, position)
     keeper.state.merge(followed)
     keeper.marks.set(2, 41)
     reload(keeper, tables)
@@ -352,7 +352,7 @@ def test_a_partition_the_follower_held_to_the_files_offset_is_taken_over_without
     keeper.marks.set(2, 40)  # followed only up to the record before: read
     reload(keeper, tables)
     assert [t.reads for t in tables.values()] == [1, 1, 1]
-    assert keeper.state.digest() == fold(scenario).digest()
+    assert keeper.state.digests.digest() == fold(scenario).digests.digest()
 
 
 # -- malformed records ----------------------------------------------------------------------
@@ -387,27 +387,27 @@ MALFORMED = {
 def test_malformed_record_is_counted_skipped_and_later_records_apply(raw):
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
-    digest, table = keeper.state.digest(), dict(table_of(keeper))
+    digest, table = keeper.state.digests.digest(), dict(table_of(keeper))
     entries = {k: v for k, v in table.items() if k != APPLIED_KEY}
 
     apply_one(keeper, 0, 2, raw)
     assert sample(keeper, "mmcache_malformed_events_total") == 1
-    assert keeper.state.applied == {0: 2}
-    assert keeper.state.digest() == digest
+    assert keeper.state.lrus.applied == {0: 2}
+    assert keeper.state.digests.digest() == digest
     assert {k: v for k, v in table_of(keeper).items() if k != APPLIED_KEY} == entries
     assert events_counted(keeper) == 2
 
     apply_one(keeper, 0, 2, raw)  # redelivered: not counted again
     assert sample(keeper, "mmcache_malformed_events_total") == 1
-    assert keeper.state.digest() == digest
+    assert keeper.state.digests.digest() == digest
 
     apply_one(keeper, 0, 3, encode_event(PLACE_C), b"ns/other")
     assert view(keeper.state) == {"ns/pod": [("a", 1), ("b", 2)], "ns/other": [("a", 1)]}
-    assert keeper.state.applied == {0: 3}
+    assert keeper.state.lrus.applied == {0: 3}
     assert decode_applied(table_of(keeper)[APPLIED_KEY]) == 3
     assert events_counted(keeper) == 3
     assert sample(keeper, "mmcache_malformed_events_total") == 1
-    assert reloaded(keeper).digest() == keeper.state.digest()
+    assert reloaded(keeper).digests.digest() == keeper.state.digests.digest()
 
 
 def test_version_field_defaults_to_1_so_a_record_without_it_applies():
@@ -424,14 +424,14 @@ def test_malformed_record_at_an_old_offset_is_a_redelivery_not_malformed():
     feed(keeper, [(0, encode_event(PLACE_A)), (1, encode_event(PLACE_B))])
     apply_one(keeper, 0, 1, b"garbage")
     assert sample(keeper, "mmcache_malformed_events_total") == 0
-    assert keeper.state.applied == {0: 1}
+    assert keeper.state.lrus.applied == {0: 1}
 
 
 def test_applied_offset_of_a_trailing_malformed_record_survives_reload():
     keeper = keeper_for(Capacity("items", 4))
     feed(keeper, [(0, encode_event(PLACE_A)), (1, b"not json")])
-    assert keeper.state.applied == {0: 1}
-    assert reloaded(keeper).applied == {0: 1}
+    assert keeper.state.lrus.applied == {0: 1}
+    assert reloaded(keeper).lrus.applied == {0: 1}
 
 
 # -- dead letters ---------------------------------------------------------------------------
@@ -463,7 +463,7 @@ def test_records_not_applied_become_dead_letters_counted_by_reason_and_later_one
     ]
     for reason in ("not_json", "unknown_version", "wrong_key", "wrong_partition"):
         assert sample(keeper, "mmcache_dead_letters_total", {"reason": reason}) == 1
-    assert keeper.state.applied == {home: 3, wrong: 0}
+    assert keeper.state.lrus.applied == {home: 3, wrong: 0}
     # the skipped record's offset is durable too: a reload does not deliver it again
     assert decode_applied(keeper.mirror.stores[wrong][APPLIED_KEY]) == 0
     apply_one(keeper, wrong, 0, placed, b"ns/pod")  # redelivered
@@ -488,7 +488,7 @@ def test_reload_turns_the_loop_between_slices():
         raw = encode_event(ItemsPlaced(endpoint=f"ns/pod-{offset}", items=items))
         apply_one(keeper, 0, offset, raw, key_of(raw))
     table = table_of(keeper)
-    fresh = keeper_for(keeper.state.capacity)
+    fresh = keeper_for(keeper.state.lrus.capacity)
 
     async def reload_while_ticking() -> int:
         ticks = 0
@@ -509,7 +509,7 @@ def test_reload_turns_the_loop_between_slices():
         return ticks
 
     ticks = asyncio.run(reload_while_ticking())
-    assert fresh.state.digest() == keeper.state.digest()
+    assert fresh.state.digests.digest() == keeper.state.digests.digest()
     assert ticks >= 16  # at least one turn per 1,024-entry slice
 
 
@@ -528,7 +528,7 @@ def test_a_large_batch_is_applied_in_slices_with_the_loop_turning_between():
 
         async def tick() -> None:
             while not done:
-                applied_at_tick.append(sliced.state.applied.get(0, -1))
+                applied_at_tick.append(sliced.state.lrus.applied.get(0, -1))
                 await asyncio.sleep(0)
 
         ticker = asyncio.create_task(tick())
@@ -539,7 +539,7 @@ def test_a_large_batch_is_applied_in_slices_with_the_loop_turning_between():
         return applied_at_tick
 
     seen = asyncio.run(apply_while_ticking())
-    assert sliced.state.digest() == whole.state.digest()
+    assert sliced.state.digests.digest() == whole.state.digests.digest()
     # the ticker saw the batch part-applied, never more than one slice further each turn
     steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
     assert len(steps) >= 1000 // APPLY_SLICE and max(steps) <= APPLY_SLICE

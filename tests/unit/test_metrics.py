@@ -43,13 +43,13 @@ class Placements:
         self.offset = 0
 
     def place(self, endpoint: str, *items: Item) -> None:
-        self.state.apply(
+        self.state.fold.apply(
             ItemsPlaced(endpoint=endpoint, items=list(items)), Position(0, self.offset)
         )
         self.offset += 1
 
     def delete(self, endpoint: str) -> None:
-        self.state.apply(EndpointDeleted(endpoint=endpoint), Position(0, self.offset))
+        self.state.fold.apply(EndpointDeleted(endpoint=endpoint), Position(0, self.offset))
         self.offset += 1
 
 
@@ -68,7 +68,7 @@ def metrics(state) -> Metrics:
 
 
 def match(metrics: Metrics, state: CacheState, items, endpoints) -> None:
-    metrics.record_match(items, state.hits(items, endpoints)[1])
+    metrics.record_match(items, state.index.hits(items, endpoints)[1])
 
 
 def test_queries_count_each_item_by_modality(metrics, state):
@@ -125,7 +125,7 @@ def test_hit_ratio_observes_the_best_score_of_each_request(metrics, state):
 
 
 def test_a_request_without_items_records_nothing(metrics, state):
-    metrics.record_match([], state.hits([], ["ns/pod-a"])[1])
+    metrics.record_match([], state.index.hits([], ["ns/pod-a"])[1])
     metrics.record_match([], {})
     samples = scrape(metrics)
     assert names(samples, "encoder_cache_queries") == []
@@ -169,8 +169,8 @@ def test_endpoints_and_entries_gauges_follow_the_state(metrics, state):
     samples = scrape(metrics)
     assert value(samples, "mmcache_endpoints") == 2
     assert value(samples, "mmcache_entries") == 5
-    for partition in {cache.partition for cache in state.endpoints.values()}:
-        state.drop_partition(partition)
+    for partition in {cache.partition for cache in state.lrus.endpoints.values()}:
+        state.loading.drop_partition(partition)
     samples = scrape(metrics)
     assert value(samples, "mmcache_endpoints") == 0
     assert value(samples, "mmcache_entries") == 0
@@ -197,7 +197,7 @@ def test_request_latency_histogram_is_exposed_by_route(metrics):
 
 def test_each_metrics_object_has_its_own_registry(state):
     first, second = Metrics(state, lambda: {}), Metrics(state, lambda: {})
-    first.record_match([IMG_A], state.hits([IMG_A], ["ns/pod-a"])[1])
+    first.record_match([IMG_A], state.index.hits([IMG_A], ["ns/pod-a"])[1])
     assert value(scrape(first), "encoder_cache_queries_total", modality="image") == 1
     assert names(scrape(second), "encoder_cache_queries") == []
 
@@ -215,7 +215,7 @@ def test_a_deleted_or_synced_away_pods_series_are_removed(metrics, state):
     assert pods() == {"ns/pod-a", "ns/pod-b", "ns/pod-c"}
     log.delete("ns/pod-a")
     assert pods() == {"ns/pod-b", "ns/pod-c"}
-    state.apply(EndpointsSynced(live=["ns/pod-b"]), Position(0, log.offset))
+    state.fold.apply(EndpointsSynced(live=["ns/pod-b"]), Position(0, log.offset))
     assert pods() == {"ns/pod-b"}
 
 

@@ -34,11 +34,11 @@ partition_of = LOGS.partition_of
 
 def restore_copy(state: CacheState) -> CacheState:
     groups: dict[int, list[Entry]] = defaultdict(list)
-    for partition, entry in state.entries():
+    for partition, entry in state.loading.entries():
         groups[partition].append(entry)
-    copy = CacheState(state.capacity)
-    for partition in sorted(set(groups) | set(state.applied)):
-        copy.restore(partition, state.applied.get(partition), groups[partition])
+    copy = CacheState(state.lrus.capacity)
+    for partition in sorted(set(groups) | set(state.lrus.applied)):
+        copy.loading.restore(partition, state.lrus.applied.get(partition), groups[partition])
     return copy
 
 
@@ -50,10 +50,10 @@ def restore_copy(state: CacheState) -> CacheState:
 def test_replaying_the_log_twice_gives_the_same_state(scenario):
     first = fold(scenario.capacity, scenario.log)
     second = fold(scenario.capacity, scenario.log)
-    assert first.digest() == second.digest()
+    assert first.digests.digest() == second.digests.digest()
     assert view(first) == view(second)
-    assert first.applied == second.applied
-    assert first.holders == second.holders
+    assert first.lrus.applied == second.lrus.applied
+    assert first.index.holders == second.index.holders
 
 
 # (b) redelivery -------------------------------------------------------------------------
@@ -63,13 +63,13 @@ def test_replaying_the_log_twice_gives_the_same_state(scenario):
 @given(scenarios(), st.data())
 def test_replaying_a_suffix_changes_nothing(scenario, data):
     state = fold(scenario.capacity, scenario.log)
-    digest, before, applied = state.digest(), view(state), dict(state.applied)
+    digest, before, applied = state.digests.digest(), view(state), dict(state.lrus.applied)
     start = data.draw(st.integers(0, len(scenario.log)), label="start")
     for position, event in scenario.log[start:]:
-        assert state.apply(event, position) is None
-    assert state.digest() == digest
+        assert state.fold.apply(event, position) is None
+    assert state.digests.digest() == digest
     assert view(state) == before
-    assert state.applied == applied
+    assert state.lrus.applied == applied
 
 
 @SETTINGS
@@ -80,11 +80,11 @@ def test_resuming_from_an_earlier_point_equals_one_pass(scenario, data):
     resume = data.draw(st.integers(0, stop), label="resume")
     state = fold(scenario.capacity, scenario.log[:stop])
     for position, event in scenario.log[resume:]:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     once = fold(scenario.capacity, scenario.log)
-    assert state.digest() == once.digest()
+    assert state.digests.digest() == once.digests.digest()
     assert view(state) == view(once)
-    assert state.applied == once.applied
+    assert state.lrus.applied == once.lrus.applied
 
 
 # (c) partition interleaving -------------------------------------------------------------
@@ -100,9 +100,9 @@ def test_any_interleaving_of_partitions_gives_the_same_state(scenario, seed):
     assert sorted(merged, key=lambda r: r[0]) == sorted(scenario.log, key=lambda r: r[0])
     original = fold(scenario.capacity, scenario.log)
     shuffled = fold(scenario.capacity, merged)
-    assert shuffled.digest() == original.digest()
+    assert shuffled.digests.digest() == original.digests.digest()
     assert view(shuffled) == view(original)
-    assert shuffled.applied == original.applied
+    assert shuffled.lrus.applied == original.lrus.applied
 
 
 # (d) restore --------------------------------------------------------------------------------
@@ -114,15 +114,15 @@ def test_restore_from_entries_equals_the_state_and_continues_alike(scenario, dat
     split = data.draw(st.integers(0, len(scenario.log)), label="split")
     state = fold(scenario.capacity, scenario.log[:split])
     copy = restore_copy(state)
-    assert copy.digest() == state.digest()
+    assert copy.digests.digest() == state.digests.digest()
     assert view(copy) == view(state)
-    assert copy.applied == state.applied
-    assert copy.holders == state.holders
+    assert copy.lrus.applied == state.lrus.applied
+    assert copy.index.holders == state.index.holders
     for position, event in scenario.log:  # redelivers the prefix, then the rest
-        a = state.apply(event, position)
-        b = copy.apply(event, position)
+        a = state.fold.apply(event, position)
+        b = copy.fold.apply(event, position)
         assert (a is None) == (b is None)
-    assert copy.digest() == state.digest()
+    assert copy.digests.digest() == state.digests.digest()
     assert view(copy) == view(state)
 
 
@@ -168,7 +168,7 @@ def test_codec_round_trip(event):
 def test_folding_decoded_log_equals_folding_the_log(scenario):
     decoded = [(position, decode_event(encode_event(event))) for position, event in scenario.log]
     assert (
-        fold(scenario.capacity, decoded).digest() == fold(scenario.capacity, scenario.log).digest()
+        fold(scenario.capacity, decoded).digests.digest() == fold(scenario.capacity, scenario.log).digests.digest()
     )
 
 
@@ -187,15 +187,15 @@ def mirror_view(mirror: dict[tuple[str, str], Entry]) -> dict[str, list[tuple[st
 
 def check_invariants(state: CacheState, partitions: int) -> None:
     transpose: dict[str, set[str]] = {}
-    for name, cache in state.endpoints.items():
+    for name, cache in state.lrus.endpoints.items():
         assert cache.entries, "an endpoint with no entries is not kept"
         assert cache.weight == sum(cache.entries.values())
         assert cache.partition == partition_of(name, partitions)
-        used = len(cache.entries) if state.capacity.mode == "items" else cache.weight
-        assert used <= state.capacity.per_endpoint
+        used = len(cache.entries) if state.lrus.capacity.mode == "items" else cache.weight
+        assert used <= state.lrus.capacity.per_endpoint
         for digest in cache.entries:
             transpose.setdefault(digest, set()).add(name)
-    assert state.holders == transpose
+    assert state.index.holders == transpose
 
 
 @SETTINGS
@@ -204,7 +204,7 @@ def test_effects_mirror_always_equals_the_state(scenario):
     state = CacheState(scenario.capacity)
     mirror: dict[tuple[str, str], Entry] = {}
     for position, event in scenario.log:
-        effects = state.apply(event, position)
+        effects = state.fold.apply(event, position)
         assert isinstance(effects, Effects)
         for entry in effects.upserts:
             assert (entry.offset, entry.endpoint) == (
@@ -223,8 +223,8 @@ def test_effects_mirror_always_equals_the_state(scenario):
         entries = [
             e for e in mirror.values() if partition_of(e.endpoint, scenario.partitions) == partition
         ]
-        copy.restore(partition, state.applied.get(partition), entries)
-    assert copy.digest() == state.digest()
+        copy.loading.restore(partition, state.lrus.applied.get(partition), entries)
+    assert copy.digests.digest() == state.digests.digest()
     assert view(copy) == view(state)
 
 
@@ -232,17 +232,17 @@ def test_effects_mirror_always_equals_the_state(scenario):
 @given(scenarios(), st.lists(st.sampled_from(HASHES), unique=True, max_size=4))
 def test_match_never_changes_state_and_scores_are_consistent(scenario, hashes):
     state = fold(scenario.capacity, scenario.log)
-    digest = state.digest()
+    digest = state.digests.digest()
     request = [Item(h, i + 1, "image") for i, h in enumerate(hashes)]
-    results = state.match(request, ENDPOINTS + ["ns/unknown"])
-    assert state.digest() == digest
+    results = state.index.match(request, ENDPOINTS + ["ns/unknown"])
+    assert state.digests.digest() == digest
     if not request:
         assert results == []
         return
     total = sum(item.size for item in request)
     assert [r["endpoint"] for r in results] == ENDPOINTS + ["ns/unknown"]
     for result in results:
-        held = state.endpoints.get(result["endpoint"])
+        held = state.lrus.endpoints.get(result["endpoint"])
         expected = [item for item in request if held and item.hash in held.entries]
         assert result["matched_items"] == expected
         assert result["matched_weight"] == sum(item.size for item in expected)
@@ -295,11 +295,11 @@ def test_fold_equals_a_naive_model_of_the_contract(scenario):
 
 def settle(state: CacheState, budget: int) -> str | None:
     """Run digest rounds of ``budget`` entries per slice until nothing is pending."""
-    while state.digests_pending():
-        state.start_digest_round()
-        while not state.refresh_digests(budget):
+    while state.digests.pending():
+        state.digests.start_round()
+        while not state.digests.refresh(budget):
             pass
-    return state.cached_digest()
+    return state.digests.cached()
 
 
 @SETTINGS
@@ -311,22 +311,22 @@ def test_digest_in_slices_between_any_events_equals_the_digest_from_scratch(scen
     state = CacheState(scenario.capacity)
     mirror = CacheState(scenario.capacity)
     for position, event in scenario.log:
-        effects = state.apply(event, position)
+        effects = state.fold.apply(event, position)
         for entry in effects.upserts if effects else ():  # a placement's touches, then evictions
-            mirror.follow(position.partition, entry.endpoint, entry.hash, entry.size)
+            mirror.fold.follow(position.partition, entry.endpoint, entry.hash, entry.size)
         for name, digest in effects.removals if effects else ():
-            mirror.follow(position.partition, name, digest, None)
+            mirror.fold.follow(position.partition, name, digest, None)
         for target in (state, mirror):
             step = data.draw(st.integers(0, 3), label="step")
             if step == 1:
-                target.start_digest_round()
+                target.digests.start_round()
             elif step >= 2:
-                target.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
+                target.digests.refresh(data.draw(st.integers(1, 5), label="budget"))
     budget = data.draw(st.integers(1, 5), label="final budget")
-    assert settle(state, budget) == state.digest()
-    assert settle(mirror, budget) == mirror.digest() == state.digest()
+    assert settle(state, budget) == state.digests.digest()
+    assert settle(mirror, budget) == mirror.digests.digest() == state.digests.digest()
     copy = restore_copy(state)
-    assert settle(copy, budget) == state.digest()
+    assert settle(copy, budget) == state.digests.digest()
 
 
 @SETTINGS
@@ -338,19 +338,19 @@ def test_digest_survives_export_merge_and_partition_reloads(scenario, data):
     parts = scenario.by_partition()
     states = [fold(scenario.capacity, parts.get(p, [])) for p in range(2)]
     for part in states:
-        part.start_digest_round()
-        part.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
-    merged = CacheState.from_export(scenario.capacity, states[0].export())
-    merged.refresh_digests(data.draw(st.integers(1, 5), label="budget"))
+        part.digests.start_round()
+        part.digests.refresh(data.draw(st.integers(1, 5), label="budget"))
+    merged = CacheState.from_export(scenario.capacity, states[0].loading.export())
+    merged.digests.refresh(data.draw(st.integers(1, 5), label="budget"))
     merged.merge(states[1])
     whole = fold(scenario.capacity, scenario.log)
-    assert settle(merged, 3) == whole.digest()
+    assert settle(merged, 3) == whole.digests.digest()
     partition = data.draw(st.integers(0, 1), label="partition")
-    entries = [e for p, e in whole.entries() if p == partition]
-    merged.drop_partition(partition)
-    assert settle(merged, 2) == merged.digest()
-    merged.restore(partition, whole.applied.get(partition), entries)
-    assert settle(merged, 4) == whole.digest()
+    entries = [e for p, e in whole.loading.entries() if p == partition]
+    merged.loading.drop_partition(partition)
+    assert settle(merged, 2) == merged.digests.digest()
+    merged.loading.restore(partition, whole.lrus.applied.get(partition), entries)
+    assert settle(merged, 4) == whole.digests.digest()
 
 
 # (h) the index's compact forms ----------------------------------------------------------
@@ -362,11 +362,11 @@ def check_compact(state: CacheState, partitions: int) -> None:
     """Every hash's holders are in the form ``stream.core.holders`` says for their count
     (a name alone, a tuple up to ``TUPLE_MAX``, else a set), with no name twice."""
     transpose: dict[str, set[str]] = {}
-    for name, cache in state.endpoints.items():
+    for name, cache in state.lrus.endpoints.items():
         assert cache.partition == CROWD.partition_of(name, partitions)
         for digest in cache.entries:
             transpose.setdefault(digest, set()).add(name)
-    assert state.holders == transpose
+    assert state.index.holders == transpose
     for held in state.lrus.holders.values():
         if type(held) is tuple:
             assert 2 <= len(held) <= TUPLE_MAX and len(set(held)) == len(held)
@@ -402,47 +402,47 @@ def test_crowded_hashes_keep_compact_holders_through_every_path(scenario, data):
     twice: a frozenset view would hide that)."""
     state, follower = CacheState(scenario.capacity), CacheState(scenario.capacity)
     for position, event in scenario.log:
-        effects = state.apply(event, position)
+        effects = state.fold.apply(event, position)
         for entry in effects.upserts if effects else ():
-            follower.follow(position.partition, entry.endpoint, entry.hash, entry.size)
+            follower.fold.follow(position.partition, entry.endpoint, entry.hash, entry.size)
         for endpoint, digest in effects.removals if effects else ():
-            follower.follow(position.partition, endpoint, digest, None)
+            follower.fold.follow(position.partition, endpoint, digest, None)
         check_compact(state, 2)
     check_compact(follower, 2)
-    assert follower.holders == state.holders
+    assert follower.index.holders == state.index.holders
     copy = restore_copy(state)
     check_compact(copy, 2)
-    assert copy.holders == state.holders
+    assert copy.index.holders == state.index.holders
     halves = []
     for partition in range(2):
         half = CacheState(scenario.capacity)
         for position, event in scenario.log:
             if position.partition == partition:
-                half.apply(event, position)
+                half.fold.apply(event, position)
         halves.append(half)
-    merged = CacheState.from_export(scenario.capacity, halves[0].export())
+    merged = CacheState.from_export(scenario.capacity, halves[0].loading.export())
     merged.merge(halves[1])
     check_compact(merged, 2)
-    assert merged.holders == state.holders
+    assert merged.index.holders == state.index.holders
     # a reload swaps LRUs whole (the entries both hold are held again): each endpoint's
     # LRU swapped for another endpoint's, then back
     swapped = restore_copy(state)
-    names = sorted(state.endpoints)
+    names = sorted(state.lrus.endpoints)
     for name, other in zip(names, names[1:] + names[:1], strict=True):
-        swapped.replace_lru(state.endpoints[name].partition, name,
-                            list(state.endpoints[other].entries.items()))
+        swapped.loading.replace_lru(state.lrus.endpoints[name].partition, name,
+                                    list(state.lrus.endpoints[other].entries.items()))
         check_compact(swapped, 2)
     for name in names:
-        swapped.replace_lru(state.endpoints[name].partition, name,
-                            list(state.endpoints[name].entries.items()))
+        swapped.loading.replace_lru(state.lrus.endpoints[name].partition, name,
+                                    list(state.lrus.endpoints[name].entries.items()))
     check_compact(swapped, 2)
-    assert swapped.holders == state.holders
+    assert swapped.index.holders == state.index.holders
     requested = data.draw(st.lists(st.sampled_from(CROWD.endpoints), unique=True), label="requested")
     items = [Item("h0", 1, "image"), Item("h2", 2, "image"), Item("h9", 1, "image")]
-    _, found = state.hits(items, requested)
+    _, found = state.index.hits(items, requested)
     assert {name: [item.hash for item in held] for name, held in found.items()} == {
-        name: [item.hash for item in items if name in state.holders.get(item.hash, ())]
-        for name in requested if any(name in state.holders.get(item.hash, ()) for item in items)}
+        name: [item.hash for item in items if name in state.index.holders.get(item.hash, ())]
+        for name in requested if any(name in state.index.holders.get(item.hash, ()) for item in items)}
 
 
 @SETTINGS

@@ -38,7 +38,7 @@ async def _settled_within(worker: _RebasedWorker, ends: dict[int, int], seconds:
 
 def test_a_batch_being_handled_holds_the_settle_even_once_its_events_are_applied():
     worker, state, producer = _worker()
-    state.applied.update({0: 9, 1: 4})
+    state.lrus.applied.update({0: 9, 1: 4})
     worker.batches = 1  # applied in the view, its records not yet written
 
     async def run() -> tuple[bool, bool]:
@@ -52,11 +52,11 @@ def test_a_batch_being_handled_holds_the_settle_even_once_its_events_are_applied
 
 def test_events_not_applied_yet_hold_the_settle():
     worker, state, producer = _worker()
-    state.applied.update({0: 9})
+    state.lrus.applied.update({0: 9})
 
     async def run() -> tuple[bool, bool]:
         held = await _settled_within(worker, {0: 10, 1: 5}, 0.2)  # partition 1: nothing applied
-        state.applied[1] = 4
+        state.lrus.applied[1] = 4
         return held, await _settled_within(worker, {0: 10, 1: 5}, 1.0)
 
     held, settled = asyncio.run(run())

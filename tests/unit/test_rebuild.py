@@ -120,7 +120,7 @@ def test_until_rejects_what_is_neither_offset_nor_time(text):
 def folded(scenario: Scenario) -> CacheState:
     state = CacheState(scenario.capacity)
     for position, event in scenario.log:
-        state.apply(event, position)
+        state.fold.apply(event, position)
     return state
 
 
@@ -134,14 +134,14 @@ _fresh = itertools.count()
 def test_write_state_then_load_state_gives_the_same_state(tmp_path, scenario):
     datadir = DataDir(tmp_path / f"example-{next(_fresh)}")  # one dir per example
     state = folded(scenario)
-    datadir.check(DataDir.identity(APP, TOPIC, state.capacity))
+    datadir.check(DataDir.identity(APP, TOPIC, state.lrus.capacity))
     write_state(datadir, state, range(scenario.partitions))
     loaded = DataDir(datadir.root).load_state()
-    assert loaded.capacity == state.capacity
-    assert loaded.digest() == state.digest()
+    assert loaded.lrus.capacity == state.lrus.capacity
+    assert loaded.digests.digest() == state.digests.digest()
     assert view(loaded) == view(state)
-    assert loaded.applied == state.applied
-    assert loaded.holders == state.holders
+    assert loaded.lrus.applied == state.lrus.applied
+    assert loaded.index.holders == state.index.holders
     assert datadir.partitions() == list(range(scenario.partitions))
 
 
@@ -151,7 +151,7 @@ def big_state(partitions: int) -> CacheState:
         for partition in range(partitions):
             endpoint = f"ns/pod-{partition}-{offset % 3}"
             items = [Item(f"h{offset}-{i}", i + 1, "image") for i in range(3)]
-            state.apply(ItemsPlaced(endpoint=endpoint, items=items), Position(partition, offset))
+            state.fold.apply(ItemsPlaced(endpoint=endpoint, items=items), Position(partition, offset))
     return state
 
 
@@ -164,14 +164,14 @@ def test_write_state_orders_keys_of_lookalike_endpoints_and_hashes(tmp_path):
     digests = ["ff" * 32, "00" * 32, "text", "Upper" * 4, "a\x00b", "ab" * 32]
     for offset, name in enumerate(names):
         items = [Item(d, offset + 1, "image") for d in digests]
-        state.apply(ItemsPlaced(endpoint=name, items=items), Position(offset % 2, offset))
+        state.fold.apply(ItemsPlaced(endpoint=name, items=items), Position(offset % 2, offset))
     datadir = DataDir(tmp_path)
-    datadir.check(DataDir.identity(APP, TOPIC, state.capacity))
+    datadir.check(DataDir.identity(APP, TOPIC, state.lrus.capacity))
     write_state(datadir, state, range(2))
     loaded = datadir.load_state()
-    assert loaded.digest() == state.digest()
+    assert loaded.digests.digest() == state.digests.digest()
     assert view(loaded) == view(state)
-    assert loaded.applied == state.applied == {0: 6, 1: 5}
+    assert loaded.lrus.applied == state.lrus.applied == {0: 6, 1: 5}
     assert sorted(p.name for p in datadir.tables.iterdir()) == ["lru-0.db", "lru-1.db"]
 
 
@@ -179,32 +179,32 @@ def test_states_of_partition_groups_written_side_by_side_load_as_one(tmp_path):
     """What a parallel rebuild does: each process folds and writes its own partitions."""
     whole = big_state(3)
     datadir = DataDir(tmp_path)
-    datadir.check(DataDir.identity(APP, TOPIC, whole.capacity))
+    datadir.check(DataDir.identity(APP, TOPIC, whole.lrus.capacity))
     for group in ([0, 2], [1]):
-        part = CacheState(whole.capacity)
+        part = CacheState(whole.lrus.capacity)
         for offset in range(12):
             for partition in group:
                 endpoint = f"ns/pod-{partition}-{offset % 3}"
                 items = [Item(f"h{offset}-{i}", i + 1, "image") for i in range(3)]
                 event = ItemsPlaced(endpoint=endpoint, items=items)
-                part.apply(event, Position(partition, offset))
+                part.fold.apply(event, Position(partition, offset))
         write_state(datadir, part, group)
     loaded = datadir.load_state()
     assert datadir.partitions() == [0, 1, 2]
-    assert loaded.digest() == whole.digest()
+    assert loaded.digests.digest() == whole.digests.digest()
     assert view(loaded) == view(whole)
-    assert loaded.applied == whole.applied
+    assert loaded.lrus.applied == whole.lrus.applied
 
 
 def test_write_state_of_an_empty_state_loads_empty(tmp_path):
     state = CacheState(Capacity("size", 9))
     datadir = DataDir(tmp_path)
-    datadir.check(DataDir.identity(APP, TOPIC, state.capacity))
+    datadir.check(DataDir.identity(APP, TOPIC, state.lrus.capacity))
     write_state(datadir, state, range(2))
     loaded = datadir.load_state()
-    assert loaded.capacity == Capacity("size", 9)
-    assert loaded.endpoints == {} and loaded.applied == {}
-    assert loaded.digest() == state.digest()
+    assert loaded.lrus.capacity == Capacity("size", 9)
+    assert loaded.lrus.endpoints == {} and loaded.lrus.applied == {}
+    assert loaded.digests.digest() == state.digests.digest()
 
 
 def test_load_state_of_a_dir_without_identity_is_refused(tmp_path):
@@ -258,7 +258,7 @@ def populated(root) -> tuple[DataDir, str]:
     datadir = DataDir(root)
     datadir.claim(IDENTITY)
     write_state(datadir, state, [0])
-    return datadir, state.digest()
+    return datadir, state.digests.digest()
 
 
 def test_claim_after_a_crash_drops_the_tables_but_keeps_the_identity(tmp_path):
@@ -269,7 +269,7 @@ def test_claim_after_a_crash_drops_the_tables_but_keeps_the_identity(tmp_path):
     assert datadir.partitions() == []
     assert datadir.read_identity() == IDENTITY
     assert datadir.running.exists()
-    assert datadir.load_state().endpoints == {}
+    assert datadir.load_state().lrus.endpoints == {}
 
 
 def test_claim_after_a_clean_release_keeps_the_tables(tmp_path):
@@ -280,14 +280,14 @@ def test_claim_after_a_clean_release_keeps_the_tables(tmp_path):
     again.claim(IDENTITY)
     assert again.running.exists()
     assert again.partitions() == [0]
-    assert again.load_state().digest() == digest
+    assert again.load_state().digests.digest() == digest
 
 
 def test_claim_keeps_a_rebuilt_seed_even_with_a_running_marker(tmp_path):
     datadir, digest = populated(tmp_path)
     datadir.mark_seed()
     DataDir(tmp_path).claim(IDENTITY)
-    assert datadir.load_state().digest() == digest
+    assert datadir.load_state().digests.digest() == digest
 
 
 def test_claim_never_clears_a_state_of_another_identity(tmp_path):
@@ -297,7 +297,7 @@ def test_claim_never_clears_a_state_of_another_identity(tmp_path):
     with pytest.raises(StateMismatch):
         DataDir(tmp_path).claim(other)
     assert datadir.read_identity() == IDENTITY
-    assert datadir.load_state().digest() == digest
+    assert datadir.load_state().digests.digest() == digest
 
 
 def test_release_twice_is_harmless(tmp_path):

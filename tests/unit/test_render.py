@@ -34,11 +34,11 @@ def as_json(value):
 def test_rendered_answer_equals_the_domain_answer(placements, asked, endpoints):
     state = CacheState(Capacity.from_params(6))
     for offset, (name, hashes) in enumerate(placements):
-        state.apply(ItemsPlaced(endpoint=name, items=[Item(h, 1, "image") for h in hashes]),
-                    Position(0, offset))
+        state.fold.apply(ItemsPlaced(endpoint=name, items=[Item(h, 1, "image") for h in hashes]),
+                         Position(0, offset))
     items = [Item(h, size, "video") for h, size in asked]
-    rendered = orjson.loads(render_match(items, *state.hits(items, endpoints)))
-    expected = as_json({"request_items": items, "endpoints": estimates(state.match(items, endpoints))})
+    rendered = orjson.loads(render_match(items, *state.index.hits(items, endpoints)))
+    expected = as_json({"request_items": items, "endpoints": estimates(state.index.match(items, endpoints))})
     assert rendered == expected
 
 
@@ -55,8 +55,8 @@ ASKED_ONLY = ["ns/unknown", "ns/\x7f", "ns/\x01"]  # names no event may hold
 def test_runs_of_endpoints_without_items_render_like_the_domain_answer(holders, endpoints):
     state = CacheState(Capacity.from_params(6))
     for offset, name in enumerate(holders):
-        state.apply(ItemsPlaced(endpoint=name, items=[Item("h1", 1, "image")]), Position(0, offset))
+        state.fold.apply(ItemsPlaced(endpoint=name, items=[Item("h1", 1, "image")]), Position(0, offset))
     items = [Item("h1", 2, "image"), Item("h2", 3, "audio")]
-    rendered = orjson.loads(render_match(items, *state.hits(items, endpoints)))
-    expected = as_json({"request_items": items, "endpoints": estimates(state.match(items, endpoints))})
+    rendered = orjson.loads(render_match(items, *state.index.hits(items, endpoints)))
+    expected = as_json({"request_items": items, "endpoints": estimates(state.index.match(items, endpoints))})
     assert rendered == expected

@@ -41,8 +41,8 @@ def test_a_clean_stops_snapshot_is_the_next_starts_view_until_dropped(tmp_path, 
     with caplog.at_level(logging.INFO, logger="stream.state.preload"):
         preload = _preload(datadir)
     assert "from the view snapshot" in caplog.text
-    assert preload.state is not None and preload.state.digest() == view.digest()
-    assert preload.state.applied == view.applied
+    assert preload.state is not None and preload.state.digests.digest() == view.digests.digest()
+    assert preload.state.lrus.applied == view.lrus.applied
     assert preload.marks == {0: b"41", 1: b"41", 2: b"41"}
     assert datadir.snapshot.exists()  # until the files are open for writing: its room counts
     preload.drop_snapshot()
@@ -51,7 +51,7 @@ def test_a_clean_stops_snapshot_is_the_next_starts_view_until_dropped(tmp_path, 
     with caplog.at_level(logging.INFO, logger="stream.state.preload"):
         again = _preload(datadir)
     assert "from partitions [0, 1, 2]" in caplog.text
-    assert again.state is not None and again.state.digest() == view.digest()
+    assert again.state is not None and again.state.digests.digest() == view.digests.digest()
 
 
 def test_a_file_written_after_the_snapshot_is_read_instead_and_the_snapshot_dropped(tmp_path, caplog):
@@ -62,13 +62,13 @@ def test_a_file_written_after_the_snapshot_is_read_instead_and_the_snapshot_drop
     later = ItemsPlaced(endpoint="ns/pod-1", items=[Item("late", 1, "image")])
     expected = fold(scenario)
     db = datadir.open_partition(1)
-    write_effects(db, expected.apply(later, Position(1, 1)), 1)
+    write_effects(db, expected.fold.apply(later, Position(1, 1)), 1)
     db[FAUST_OFFSET_KEY] = b"42"
     db.close()
     with caplog.at_level(logging.INFO, logger="stream.state.preload"):
         preload = _preload(datadir)
     assert "from partitions [0, 1, 2]" in caplog.text
-    assert preload.state is not None and preload.state.digest() == expected.digest()
+    assert preload.state is not None and preload.state.digests.digest() == expected.digests.digest()
     assert not datadir.snapshot.exists()
 
 
@@ -76,7 +76,7 @@ def test_no_snapshot_when_the_view_holds_what_the_files_do_not(tmp_path):
     scenario = _scenario()
     datadir = written_datadir(tmp_path, scenario)
     view = fold(scenario)
-    view.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("unstored", 1, "image")]), Position(0, 1))
+    view.fold.apply(ItemsPlaced(endpoint="ns/pod-0", items=[Item("unstored", 1, "image")]), Position(0, 1))
     assert not write_snapshot(datadir, view)  # a batch the files did not store
     assert not datadir.snapshot.exists()
 
@@ -135,7 +135,7 @@ def _taken_from_files(datadir: DataDir, caplog) -> bool:
     with caplog.at_level(logging.INFO, logger="stream.state.preload"):
         preload = _preload(datadir)
     return ("from partitions [0, 1, 2]" in caplog.text and preload.state is not None
-            and preload.state.digest() == fold(_scenario()).digest() and not datadir.snapshot.exists())
+            and preload.state.digests.digest() == fold(_scenario()).digests.digest() and not datadir.snapshot.exists())
 
 
 def test_a_snapshot_another_marshal_version_wrote_is_no_snapshot(tmp_path, caplog, monkeypatch):

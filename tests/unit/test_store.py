@@ -111,7 +111,7 @@ def mirror(stores, scenario: Scenario, records: list[Record] | None = None) -> C
     """Fold the log, writing each applied event's effects to its partition's store."""
     state = CacheState(scenario.capacity)
     for position, event in scenario.log if records is None else records:
-        effects = state.apply(event, position)
+        effects = state.fold.apply(event, position)
         if effects is not None:
             write_effects(stores.table(position.partition), effects, position.offset)
     return state
@@ -121,21 +121,21 @@ def restored(stores, scenario: Scenario) -> CacheState:
     state = CacheState(scenario.capacity)
     for partition in range(scenario.partitions):
         applied, entries = read_partition(stores.records(partition))
-        state.restore(partition, applied, entries)
+        state.loading.restore(partition, applied, entries)
     return state
 
 
 def check_round_trip(stores, scenario: Scenario) -> None:
     live = mirror(stores, scenario)
     copy = restored(stores, scenario)
-    assert copy.digest() == live.digest()
+    assert copy.digests.digest() == live.digests.digest()
     assert view(copy) == view(live)
-    assert copy.applied == live.applied
-    assert copy.holders == live.holders
+    assert copy.lrus.applied == live.lrus.applied
+    assert copy.index.holders == live.index.holders
     # One record per live entry plus one applied record per partition that saw an event.
-    entries = sum(len(cache.entries) for cache in live.endpoints.values())
+    entries = sum(len(cache.entries) for cache in live.lrus.endpoints.values())
     stored = sum(len(stores.records(p)) for p in range(scenario.partitions))
-    assert stored == entries + len(live.applied)
+    assert stored == entries + len(live.lrus.applied)
 
 
 # Each example makes its own sub-directory of tmp_path, so sharing the fixture is safe.
@@ -171,17 +171,17 @@ def _resume_property(kind: str) -> Callable:
             mirror(stores, scenario, scenario.log[:stop])
             state = restored(stores, scenario)
             for position, event in scenario.log[resume:]:
-                effects = state.apply(event, position)
+                effects = state.fold.apply(event, position)
                 if effects is not None:
                     write_effects(stores.table(position.partition), effects, position.offset)
             once = CacheState(scenario.capacity)
             for position, event in scenario.log:
-                once.apply(event, position)
-            assert state.digest() == once.digest()
-            assert state.applied == once.applied
+                once.fold.apply(event, position)
+            assert state.digests.digest() == once.digests.digest()
+            assert state.lrus.applied == once.lrus.applied
             again = restored(stores, scenario)
-            assert again.digest() == once.digest()
-            assert again.applied == once.applied
+            assert again.digests.digest() == once.digests.digest()
+            assert again.lrus.applied == once.lrus.applied
 
     return test
 
@@ -208,11 +208,11 @@ def test_fixed_log_with_eviction_delete_and_sync_round_trips(kind, tmp_path):
     with stores_in(kind, tmp_path) as stores:
         live = mirror(stores, scenario)
         assert view(live) == {"applied": [("c", 1), ("d", 1), ("b", 1)]}
-        assert live.applied == {0: 6, 1: 1}
+        assert live.lrus.applied == {0: 6, 1: 1}
         copy = restored(stores, scenario)
         assert view(copy) == view(live)
-        assert copy.digest() == live.digest()
-        assert copy.applied == {0: 6, 1: 1}
+        assert copy.digests.digest() == live.digests.digest()
+        assert copy.lrus.applied == {0: 6, 1: 1}
 
 
 def test_write_effects_on_a_bare_rocksdict_file_removes_evicted_entries(tmp_path):
@@ -221,7 +221,7 @@ def test_write_effects_on_a_bare_rocksdict_file_removes_evicted_entries(tmp_path
     db = DataDir(tmp_path).open_partition(0)
     try:
         for offset, digest in enumerate(["a", "b"]):
-            effects = state.apply(
+            effects = state.fold.apply(
                 ItemsPlaced(endpoint="e", items=[Item(digest, 1, "image")]), Position(0, offset)
             )
             write_effects(db, effects, offset)
@@ -299,7 +299,7 @@ def test_read_partition_ignores_foreign_keys(kind, tmp_path):
         table[b"applied"] = encode_applied(99)
         for offset, digests in enumerate([["a", "b"], ["c"]]):
             event = ItemsPlaced(endpoint="e", items=[Item(d, 1, "image") for d in digests])
-            write_effects(table, state.apply(event, Position(0, offset)), offset)
+            write_effects(table, state.fold.apply(event, Position(0, offset)), offset)
         records = stores.records(0)
     assert (FAUST_OFFSET_KEY, b"41") in records
     applied, entries = read_partition(records)

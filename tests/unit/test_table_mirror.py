@@ -191,8 +191,8 @@ def test_the_restore_gates_are_made_anew_only_when_a_recovery_starts(tmp_path: P
     gate_changelog_restore(table, StateWrites(), lambda: None)
 
     state = CacheState(Capacity("items", 1))
-    records = [*effect_records(state.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0)), 0),
-               *effect_records(state.apply(ItemsPlaced(endpoint="e", items=[Item("b", 1, "image")]), Position(0, 1)), 1)]
+    records = [*effect_records(state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("a", 1, "image")]), Position(0, 0)), 0),
+               *effect_records(state.fold.apply(ItemsPlaced(endpoint="e", items=[Item("b", 1, "image")]), Position(0, 1)), 1)]
     events = [SimpleNamespace(message=SimpleNamespace(partition=0, key=key, value=value, tp=("c", 0),
                                                       offset=offset))
               for offset, (key, value) in enumerate(records)]

@@ -27,7 +27,7 @@ def store_of(log: list[ItemsPlaced]) -> tuple[CacheState, dict[bytes, bytes]]:
     """The owner's fold of ``log`` into partition 0 and its store records."""
     state, store = CacheState(Capacity("items", 6)), {}
     for offset, event in enumerate(log):
-        for key, value in effect_records(state.apply(event, Position(0, offset)), offset):
+        for key, value in effect_records(state.fold.apply(event, Position(0, offset)), offset):
             if value is None:
                 store.pop(key, None)
             else:
@@ -36,16 +36,16 @@ def store_of(log: list[ItemsPlaced]) -> tuple[CacheState, dict[bytes, bytes]]:
 
 
 def held(state: CacheState) -> set[tuple[str, str]]:
-    return {(name, digest) for name, cache in state.endpoints.items() for digest in cache.entries}
+    return {(name, digest) for name, cache in state.lrus.endpoints.items() for digest in cache.entries}
 
 
 def test_an_endpoint_with_hex_and_text_hashes_is_loaded_whole():
     """Its hex (sha256) keys sort apart from its text keys: two runs of one endpoint.
     (Before: the second run replaced the first, so the sliced reload lost entries.)"""
     owner, store = store_of([placed("ns/pod", ["text-1", HEX, "text-2"])])
-    view = CacheState(owner.capacity)
+    view = CacheState(owner.lrus.capacity)
     list(load_partition_in_slices(view, 0, sorted(store.items()), entries_per_slice=1))
-    assert view.digest() == owner.digest()
+    assert view.digests.digest() == owner.digests.digest()
     assert held(view) == {("ns/pod", "text-1"), ("ns/pod", HEX), ("ns/pod", "text-2")}
 
 
@@ -60,27 +60,27 @@ logs = st.lists(st.builds(placed, names, st.lists(hashes, min_size=1, max_size=4
 def test_replacing_a_partition_never_removes_an_entry_the_new_view_has(old_log, new_log, budget):
     old, _ = store_of(old_log)
     new, store = store_of(new_log)
-    view = CacheState(old.capacity)
+    view = CacheState(old.lrus.capacity)
     view.merge(old)
-    other = CacheState(old.capacity)  # another partition's endpoint: untouched
-    other.apply(placed("ns/other", ["h1"]), Position(1, 0))
+    other = CacheState(old.lrus.capacity)  # another partition's endpoint: untouched
+    other.fold.apply(placed("ns/other", ["h1"]), Position(1, 0))
     view.merge(other)
     keep = held(old) & held(new)
     for _ in load_partition_in_slices(view, 0, sorted(store.items()), entries_per_slice=budget):
         assert keep <= held(view)  # a match between two steps finds every one of them
         assert ("ns/other", "h1") in held(view)
-    fresh = CacheState(old.capacity)
+    fresh = CacheState(old.lrus.capacity)
     load_partition(fresh, 0, store.items())
-    fresh.merge(CacheState.from_export(old.capacity, _other_export()))
-    assert view.digest() == fresh.digest()
-    assert view.holders == fresh.holders
-    assert view.applied.get(0) == new.applied.get(0)
+    fresh.merge(CacheState.from_export(old.lrus.capacity, _other_export()))
+    assert view.digests.digest() == fresh.digests.digest()
+    assert view.index.holders == fresh.index.holders
+    assert view.lrus.applied.get(0) == new.lrus.applied.get(0)
 
 
 def _other_export():
     other = CacheState(Capacity("items", 6))
-    other.apply(placed("ns/other", ["h1"]), Position(1, 0))
-    return other.export()
+    other.fold.apply(placed("ns/other", ["h1"]), Position(1, 0))
+    return other.loading.export()
 
 
 def test_a_changelog_in_key_order_is_loaded_in_the_owner_recency_order():
@@ -92,20 +92,20 @@ def test_a_changelog_in_key_order_is_loaded_in_the_owner_recency_order():
     reread = Reread()
     for key, value in sorted(store.items()):
         reread.add(key, value)
-    view = CacheState(owner.capacity)
+    view = CacheState(owner.lrus.capacity)
     asyncio.run(load_partition_into_view(view, 0, reread.records()))
-    assert list(view.endpoints["ns/pod"].entries) == ["h3", "h2", "h1"]
-    assert view.digest() == owner.digest()
-    assert view.applied == {0: 2}
+    assert list(view.lrus.endpoints["ns/pod"].entries) == ["h3", "h2", "h1"]
+    assert view.digests.digest() == owner.digests.digest()
+    assert view.lrus.applied == {0: 2}
 
-    arrival = CacheState(owner.capacity)
+    arrival = CacheState(owner.lrus.capacity)
     from stream.state.store import decode_change
 
     for key, value in sorted(store.items()):
         change = decode_change(key, value)
         if change is not None:
-            arrival.follow(0, *change)
-    assert arrival.digest() != owner.digest()
+            arrival.fold.follow(0, *change)
+    assert arrival.digests.digest() != owner.digests.digest()
 
 
 def test_a_reread_keeps_the_latest_value_and_forgets_removed_keys():
@@ -117,4 +117,4 @@ def test_a_reread_keeps_the_latest_value_and_forgets_removed_keys():
     reread.add(key, None)
     view = CacheState(Capacity("items", 6))
     asyncio.run(load_partition_into_view(view, 0, reread.records()))
-    assert list(view.endpoints["ns/pod"].entries) == ["h2"]
+    assert list(view.lrus.endpoints["ns/pod"].entries) == ["h2"]

@@ -51,7 +51,7 @@ def make_api(producer: StandInProducer, limits: Limits | None = None, endpoints:
              timeout_s: float = 0.3, in_flight: int | None = None) -> HttpApi:
     state = CacheState(Capacity.from_params(6))
     for i in range(endpoints):
-        state.apply(ItemsPlaced(endpoint=f"ns/{i}", items=[Item("h", 1, "image")]), Position(0, i))
+        state.fold.apply(ItemsPlaced(endpoint=f"ns/{i}", items=[Item("h", 1, "image")]), Position(0, i))
     publisher = EventPublisher("127.0.0.1:1", "unused", timeout_s)
     if in_flight is not None:
         publisher.max_in_flight = in_flight
