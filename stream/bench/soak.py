@@ -72,6 +72,7 @@ class Soak:
     engine_items: int = 0
     refused: int = 0
     sentinels: dict[str, list[str]] = field(default_factory=dict)
+    exits: list[dict[str, Any]] = field(default_factory=list)  # serve ended on its own
 
     @property
     def url(self) -> str:
@@ -111,6 +112,19 @@ class Soak:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+    def exited(self) -> bool:
+        """Whether serve ended on its own since it started: then its exit and the tail of its
+        log are recorded, and it is started again (the soak goes on; the figure counts it)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            return False
+        tail = self.log_path.read_text(errors="replace").splitlines()[-40:]
+        at = time.monotonic() - self.started_at
+        self.exits.append({"t": at, "returncode": self.process.returncode, "log_tail": tail})
+        self.process = None
+        self.restarts.append({"t": at, "ready_s": self.start(), "signal": 0})
+        return True
 
     def sample(self, lag: int | None) -> None:
         assert self.process is not None
@@ -316,6 +330,7 @@ def soak_figures(quick: bool, scale: float | None, out_dir: Path = Path("bench")
             next_restart = restart_every_s
             while not half_done(0.0, minutes * 30, target // 2):
                 await asyncio.sleep(SAMPLE_S)
+                await asyncio.to_thread(soak.exited)
                 soak.sample(await asyncio.to_thread(_lag, soak))
                 if elapsed() >= next_restart:
                     sig = signals[len(soak.restarts) % 2]
@@ -327,6 +342,7 @@ def soak_figures(quick: bool, scale: float | None, out_dir: Path = Path("bench")
             second_half = elapsed()
             while not half_done(second_half, second_half, target):
                 await asyncio.sleep(SAMPLE_S)
+                await asyncio.to_thread(soak.exited)
                 soak.sample(await asyncio.to_thread(_lag, soak))
             done.set()
             await traffic
@@ -345,7 +361,7 @@ def soak_figures(quick: bool, scale: float | None, out_dir: Path = Path("bench")
                 soak.stop(signal.SIGTERM)
     rebases = log_text.count("started again on its compacted log")
     dropped = sum(int(n) for n in re.findall(r"mmcache-lru-changelog (\d+) records", log_text))
-    series = {"samples": soak.samples, "restarts": soak.restarts, "rebases": rebases,
+    series = {"samples": soak.samples, "restarts": soak.restarts, "exits": soak.exits, "rebases": rebases,
               "events_acknowledged": soak.events, "engine_items_reported": soak.engine_items,
               "writes_refused": soak.refused, "minutes": round(soak.samples[-1]["t"] / 60, 2),
               "second_half_from_s": round(second_half, 1)}
@@ -354,9 +370,10 @@ def soak_figures(quick: bool, scale: float | None, out_dir: Path = Path("bench")
     (out_dir / f"{name}.json").write_bytes(orjson.dumps(series, option=orjson.OPT_INDENT_2))
     (out_dir / f"{name}.svg").write_text(soak_svg(soak.samples, soak.restarts))
     ready = [r["ready_s"] for r in soak.restarts[1:]]
+    planned = sum(1 for r in soak.restarts[1:-1] if r["signal"])
     shape = (f"{series['minutes']:g} min compressed: {soak.events:,} events acknowledged (placements "
              f"of 1-3 Zipf items to 64 endpoints, 8 servers' engine reports with {soak.engine_items:,} "
-             f"items, deletions, syncs), {len(soak.restarts) - 2} restarts in the first half (SIGTERM "
+             f"items, deletions, syncs), {planned} restarts in the first half (SIGTERM "
              f"and SIGKILL in turn), none in the second, {rebases} rebases of the broker, "
              f"{soak.refused:,} writes refused (503 or no connection while restarting; never "
              f"acknowledged); series in bench/{name}.json, "
@@ -379,6 +396,11 @@ def soak_figures(quick: bool, scale: float | None, out_dir: Path = Path("bench")
                           note=f"SIGKILL then serve on the whole data dir; restarts on the way "
                                f"{span(ready, 2) if ready else '-'} s; changelog records dropped by "
                                f"compaction over the run {dropped:,}; {shape}"))
+    figures.append(Figure("soak_serve_exits", len(soak.exits), "exits", "0: serve never ends on its own",
+                          not soak.exits,
+                          note="; ".join(f"minute {e['t'] / 60:.1f}: exit {e['returncode']}, last line "
+                                         f"{e['log_tail'][-1] if e['log_tail'] else '-'}" for e in soak.exits)
+                          or f"serve ran through; {shape}"))
     figures.append(Figure("soak_acknowledged_writes_lost", missing, "writes", "0", missing == 0,
                           note=f"{sum(len(h) for h in soak.sentinels.values()):,} acknowledged "
                                f"sentinel placements looked for after the last restart"))
