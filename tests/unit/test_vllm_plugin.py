@@ -809,3 +809,14 @@ def test_a_clean_exit_of_the_process_sends_cleared(recorder):
     applied = recorder.applied()
     assert any(event["type"] == "stored" for post in applied[:-1] for event in post.body["events"])
     assert applied[-1].body["events"] == [{"type": "cleared"}] and recorder.view() == {}
+
+
+def test_the_loaded_vllm_is_the_one_asked_for():
+    """The child run of test_vllm_plugin_newest.py holds the newest wheel's class."""
+    import sys
+
+    from tests.vllm_wheel import VLLM_VERSION
+
+    module = sys.modules[MmcacheEncoderCacheManager.__mro__[1].__module__]
+    assert f"vllm-{VLLM_VERSION}-" in module.__file__
+    assert hasattr(module.EncoderCacheManager, "get_manager_metadata") == (VLLM_VERSION < "0.34")
