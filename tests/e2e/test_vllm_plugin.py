@@ -28,7 +28,7 @@ def engine_view(serve: Serve, hashes: list[str]) -> tuple[str, set[str]]:
 
 def view_totals(serve: Serve) -> tuple[int, int]:
     """(entries, their embeddings in all) of the endpoint's engine view, (0, 0) without one."""
-    status, state = http("GET", serve.url + "/v1/state?limit=0")
+    status, state = http("GET", serve.url + "/v1/state")
     assert status == 200, state
     views = [view for view in state["engine_views"] if view["endpoint"] == ENDPOINT]
     return (views[0]["items"], views[0]["weight"]) if views else (0, 0)
@@ -56,7 +56,7 @@ def view_is_held(serve: Serve, vllm: Vllm) -> dict[str, Any] | None:
 
 
 def test_the_view_equals_the_managers_holdings_after_traffic_with_evictions(serve, vllm):
-    traffic(vllm, seed=1, requests=120, pool=90)
+    traffic(vllm, seed=1, requests=120, pool=150)
     probe = eventually(lambda: view_is_held(serve, vllm), timeout=120)
     stored = probe["counters"]["queued"]
     assert probe["freed_ever"], "the traffic evicted nothing: it tests nothing of removals"
@@ -144,3 +144,21 @@ def test_a_clean_stop_of_vllm_empties_the_view(serve, vllm):
     assert vllm.stop() == 0
     eventually(lambda: engine_view(serve, known) == ("engine", set()) and view_totals(serve) == (0, 0), timeout=60)
     assert "this engine's cache is gone (cleared)" in vllm.log()
+
+
+def test_a_bad_setting_stops_vllm_at_start_naming_the_key(serve, tmp_path):
+    """What the plugin's README says an operator sees: vLLM does not start, and the last
+    line of its traceback is the plugin's, naming the key."""
+    server = Vllm(tmp_path, serve.url, manager_cls="mmcache_vllm.MmcacheEncoderCacheManager",
+                  manager_config={"batch_size": 0})
+    try:
+        server.start()
+    except AssertionError as exc:
+        assert "exited" in str(exc)
+    else:
+        server.stop()
+        raise AssertionError("vLLM started with batch_size 0")
+    lines = [line for line in server.log().splitlines() if "ConfigError" in line]
+    assert lines and lines[-1].endswith(
+        "mmcache_vllm.config.ConfigError: mmcache-vllm: manager_config.batch_size must be an integer "
+        "from 1 to 1024, not 0"), lines[-3:]

@@ -15,7 +15,7 @@ from tests.e2e.conftest import Vllm, http
 
 __all__ = ["chat", "image_url", "traffic"]
 
-SIDES = [28 * k for k in range(2, 9)]  # 56 to 224: k x m embeddings for a (28k, 28m) image
+SIDES = [28 * k for k in range(4, 9)]  # 112 to 224: k x m embeddings for a (28k, 28m) image
 
 
 def image_url(seed: int) -> str:
