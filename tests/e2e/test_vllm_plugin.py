@@ -100,13 +100,16 @@ def test_the_view_is_whole_again_after_mmcache_restarts_while_vllm_is_idle(serve
 
 
 def test_the_view_is_whole_again_after_mmcache_hangs(serve, vllm):
+    before = vllm.probe()["counters"]
     serve.signal(signal.SIGSTOP)
     try:
         traffic(vllm, seed=3, requests=30, pool=60)
-        eventually(lambda: vllm.probe()["counters"]["posts_failed"] > 0, timeout=120)
+        # a POST times out (timeout_s) while mmcache hangs
+        eventually(lambda: vllm.probe()["counters"]["posts_failed"] > before["posts_failed"], timeout=120)
     finally:
         serve.signal(signal.SIGCONT)
-    eventually(lambda: view_is_held(serve, vllm), timeout=120)
+    probe = eventually(lambda: view_is_held(serve, vllm), timeout=120)
+    assert probe["counters"]["resyncs"] > before["resyncs"]
 
 
 def test_the_view_is_emptied_by_a_reset_of_vllms_encoder_cache(serve, vllm):
