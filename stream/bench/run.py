@@ -123,7 +123,7 @@ def _vllm_plugin(bootstrap: str, quick: bool, scale: float | None) -> list[Figur
     from stream.bench.vllm_plugin import vllm_plugin_figures
 
     # a real vLLM of the e2e environment, with serve on its own embedded broker
-    return vllm_plugin_figures(1 if quick or scale else 3, 20 if quick or scale else 100)
+    return vllm_plugin_figures(1 if quick or scale else 3, 20 if quick or scale else 200)
 
 
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {

@@ -178,10 +178,17 @@ class Vllm:
         return code
 
     def probe(self) -> dict[str, Any] | None:
+        """The probe's last publication (tests/e2e/probe.py), None before the first."""
         try:
             return json.loads(self.probe_path.read_text())
         except (OSError, ValueError):
             return None
+
+    def fresh_probe(self) -> dict[str, Any]:
+        """A publication written after this call: it holds every change made before it."""
+        asked = time.time()
+        return eventually(lambda: (probe := self.probe()) is not None and probe["written"] > asked and probe,
+                          timeout=60, interval=0.02)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

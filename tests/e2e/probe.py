@@ -30,6 +30,7 @@ __all__ = ["ProbedManager"]
 
 PROBE_ENV = "MMCACHE_E2E_PROBE"
 PROBE_INTERVAL_S = 0.05
+MAX_SAMPLES = 100_000  # timed calls kept per method
 
 
 class ProbedManager(MmcacheEncoderCacheManager):
@@ -48,31 +49,31 @@ class ProbedManager(MmcacheEncoderCacheManager):
         self.freed_ever: list[str] = []
         self.resets = 0
         self.passes = 0
-        # method -> [calls, ns in the plugin's, ns in vLLM's own class]
-        self.costs: dict[str, list[int]] = {name: [0, 0, 0] for name in ("allocate", "get_freed_mm_hashes", "reset")}
+        # method -> (ns in the plugin's class, ns in vLLM's own) of each call, the first ones
+        self.costs: dict[str, list[tuple[int, int]]] = {name: [] for name in ("allocate", "get_freed_mm_hashes",
+                                                                           "reset")}
 
     def _paired(self, name: str, *args: Any) -> Any:
         """Calls ``name`` on the plugin's class (the answer kept) and on the shadow, timed."""
-        cost = self.costs[name]
+        costs = self.costs[name]
         mine, theirs = getattr(super(), name), getattr(self.shadow, name)
         clock = time.perf_counter_ns
-        if cost[0] % 2:
+        if len(costs) % 2:
             start = clock()
             theirs(*args)
             middle = clock()
             answer = mine(*args)
             end = clock()
-            cost[1] += end - middle
-            cost[2] += middle - start
+            pair = (end - middle, middle - start)
         else:
             start = clock()
             answer = mine(*args)
             middle = clock()
             theirs(*args)
             end = clock()
-            cost[1] += middle - start
-            cost[2] += end - middle
-        cost[0] += 1
+            pair = (middle - start, end - middle)
+        if len(costs) < MAX_SAMPLES:
+            costs.append(pair)
         return answer
 
     def allocate(self, request: Any, input_id: int) -> None:
@@ -105,10 +106,11 @@ class ProbedManager(MmcacheEncoderCacheManager):
     def _publish(self, path: str) -> None:
         stop = threading.Event()
         while not stop.wait(PROBE_INTERVAL_S):
-            state = {"pid": os.getpid(), "cache_size": self.cache_size, "passes": self.passes,
+            state = {"written": time.time(), "pid": os.getpid(), "cache_size": self.cache_size,
+                     "passes": self.passes,
                      "held": dict(self.num_embeds_by_hash), "freed_ever": self.freed_ever[:],
                      "resets": self.resets, "counters": dataclasses.asdict(self.reporter.counters()),
-                     "costs": {name: cost[:] for name, cost in self.costs.items()},
+                     "costs": {name: costs[:] for name, costs in self.costs.items()},
                      "shadow_agrees": dict(self.shadow.num_embeds_by_hash) == dict(self.num_embeds_by_hash)}
             with open(path + ".tmp", "w") as out:
                 json.dump(state, out)

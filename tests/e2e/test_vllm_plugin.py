@@ -36,9 +36,7 @@ def view_totals(serve: Serve) -> tuple[int, int]:
 
 def settled(vllm: Vllm) -> dict[str, Any] | None:
     """The probe once everything the plugin queued was sent or given up and no resync is owed."""
-    probe = vllm.probe()
-    if probe is None:
-        return None
+    probe = vllm.fresh_probe()
     counters = probe["counters"]
     done = counters["sent"] + counters["unsent"] == counters["queued"] and not counters["resync_pending"]
     return probe if done else None
