@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test e2e vllm-wheel unit integration lint schemas broker bench tools golang clean
+.PHONY: run test e2e vllm-wheel unit integration lint schemas docs broker bench tools golang clean
 
 # The install compiles the modules of pyproject's [tool.mmcache] compiled in place
 # (setup.py), so it is redone when their source changes: a stale build would be tested.
@@ -118,5 +118,11 @@ schemas: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .e2e .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
 
+# The figures README.md and docs/ quote, written from bench/results.json (a full run's);
+# tests/unit/test_doc_figures.py fails while a page differs from it.
+docs: $(STAMP)
+	$(BIN)/python -m stream.bench.doc_figures
+
 bench: $(STAMP) tools
 	$(BIN)/mmcache bench $(if $(QUICK),--quick)
+	$(if $(QUICK),,$(BIN)/python -m stream.bench.doc_figures)

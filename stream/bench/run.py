@@ -16,7 +16,7 @@ from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
-__all__ = ["SCENARIOS", "refuse_quick_over_full", "run"]
+__all__ = ["SCENARIOS", "refuse_quick_over_full", "run", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,24 @@ def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], o
     return kept + rows, {**meta, "date": previous.get("date", now), "updated": updated}
 
 
+def write_results(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
+                  now: str) -> str:
+    """Write ``out`` (JSON) and its ``.md`` table, both of every figure: a partial run
+    (``only``) merged into the file's other figures, never in place of them. The table."""
+    if only:
+        rows, meta = _merged(out, rows, meta, only, now)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps({**meta, "figures": rows}, option=orjson.OPT_INDENT_2))
+    table = render_table([Figure(**{("passed" if k == "pass" else k): v for k, v in row.items()})
+                          for row in rows])
+    updated = meta.get("updated")
+    since = "".join(f"; {name} run again on {stamp}" for name, stamp in sorted(updated.items())) \
+        if isinstance(updated, dict) else ""
+    kind = "quick" if meta["quick"] else "full"
+    out.with_suffix(".md").write_text(f"{meta['date']} ({kind}{since})\n\n{table}\n")
+    return table
+
+
 def refuse_quick_over_full(out: Path) -> None:
     """A ``--quick`` run never replaces the results of a full run."""
     if out.exists():
@@ -200,13 +218,6 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     meta: dict[str, object] = {"date": now, "quick": quick,
                                "machine": f"{platform.machine()}, {platform.python_implementation()} "
                                           f"{platform.python_version()}"}
-    rows = [f.as_json() for f in figures]
-    if only:  # a partial run updates its own figures in the file, never drops the others
-        rows, meta = _merged(out, rows, meta, only, now)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps({**meta, "figures": rows}, option=orjson.OPT_INDENT_2))
-    table = render_table([Figure(**{("passed" if k == "pass" else k): v for k, v in row.items()})
-                          for row in rows])
-    out.with_suffix(".md").write_text(f"{meta['date']} ({'quick' if quick else 'full'})\n\n{table}\n")
+    table = write_results(out, [f.as_json() for f in figures], meta, only or [], now)
     print(table)
     return figures

@@ -187,7 +187,7 @@ def test_every_documented_state_answer_has_the_real_fields_and_a_full_digest():
     ((status, real, _),) = _answers(make_api(), [("GET", "/v1/state", None)])
     assert status == 200
     documented = [b for b in json_blocks("http-api.md") if "digest" in b]
-    gateway = re.search(r"What is left .*?```\n200\n(\{.*?\})\n```", text("gateway.md"), re.S).group(1)
+    gateway = re.search(r"What is left .*?```\nGET /v1/state\?limit=3\n.*?\n\n200\n(\{.*?\})\n```", text("gateway.md"), re.S).group(1)
     documented.append(orjson.loads(gateway))
     engine = {"engine_views", "total_engine_views"}  # there once some endpoint reports its cache
     for body in documented:
@@ -217,7 +217,7 @@ def test_the_gateway_pages_sequence_leaves_the_state_it_shows():
     api = make_api()
     api.state = state
     ((status, answer, _),) = _answers(api, [("GET", "/v1/state?limit=3", None)])
-    shown = re.search(r"What is left .*?```\n200\n(\{.*?\})\n```", page, re.S).group(1)
+    shown = re.search(r"What is left .*?```\nGET /v1/state\?limit=3\n.*?\n\n200\n(\{.*?\})\n```", page, re.S).group(1)
     assert status == 200 and answer == orjson.loads(shown)
 
 
@@ -294,3 +294,17 @@ def test_every_limit_is_in_the_http_pages_limits_table_with_its_default():
         row = rows[f"MMCACHE_{name.upper()}"]
         shown = {"max_body_bytes": "16 MiB", "body_budget_bytes": "64 MiB"}.get(name) or f"{info.default:,}"
         assert row.startswith(shown), (name, row)
+
+
+def test_the_readmes_serve_synopsis_names_every_serve_flag():
+    block = re.search(r"^## Command line\n\n```\n(.*?)```", (ROOT / "README.md").read_text(), re.S | re.M)
+    serve = re.search(r"^mmcache serve (.*?)(?=^mmcache )", block.group(1), re.S | re.M).group(1)
+    named = set(re.findall(r"(?<![\w-])(--[a-z0-9-]+)", serve))
+    assert _commands(_parser())["serve"] <= named, _commands(_parser())["serve"] - named
+
+
+def test_the_cli_page_names_every_bench_scenario():
+    from stream.bench.run import SCENARIOS
+
+    row = re.search(r"^\| `--only` \|.*$", text("cli.md").split("## `mmcache bench`")[1], re.M).group(0)
+    assert set(re.findall(r"`([a-z0-9_]+)`", row)) - {"all"} == set(SCENARIOS)
