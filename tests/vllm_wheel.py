@@ -24,7 +24,10 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSION = os.environ.get("MMCACHE_VLLM_WHEEL", "0.33.0")
+# the newest release, whose encoder cache manager the plugin's tests also run against
+# (tests/unit/test_vllm_plugin_newest.py: MMCACHE_VLLM_WHEEL set to it in a child pytest)
+NEWEST_VLLM_VERSION = "0.34.0"
 CACHE = Path(os.environ.get("MMCACHE_WHEEL_CACHE") or Path.home() / ".cache" / "mmcache" / "wheels")
 ENCODER_CACHE_MANAGER = "vllm/v1/core/encoder_cache_manager.py"
 
@@ -215,3 +218,6 @@ def kv_cache_utils() -> types.ModuleType:
 
 if __name__ == "__main__":
     print(wheel())
+    if VLLM_VERSION != NEWEST_VLLM_VERSION:  # the plugin's tests on the newest release too
+        subprocess.run([sys.executable, "-m", "tests.vllm_wheel"], check=True,
+                       env={**os.environ, "MMCACHE_VLLM_WHEEL": NEWEST_VLLM_VERSION})

@@ -138,6 +138,13 @@ def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return soak_figures(quick, scale)  # on serve's own embedded broker, whatever ``bootstrap``
 
 
+def _vllm_plugin(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.vllm_plugin import vllm_plugin_figures
+
+    # a real vLLM of the e2e environment, with serve on its own embedded broker
+    return vllm_plugin_figures(1 if quick or scale else 3, 20 if quick or scale else 200)
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -155,7 +162,10 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "reader_memory": _reader_memory,
     "idle": _idle,
     "match_embedded": _match_embedded,
+    "vllm_plugin": _vllm_plugin,
 }
+# run only when named with --only: they need `make e2e`'s environment (a real vLLM)
+ON_REQUEST = frozenset({"vllm_plugin"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
@@ -213,7 +223,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     """
     if quick:
         refuse_quick_over_full(out)
-    names = only or list(SCENARIOS)
+    names = only or [name for name in SCENARIOS if name not in ON_REQUEST]
     figures: list[Figure] = []
     broker = None if bootstrap else EmbeddedBroker().start()
     try:
