@@ -220,6 +220,8 @@ class _Request:
     computed: int = 0
     placeholders: int = 0  # tokens of steps in flight not known yet (async scheduling)
     preemptions: int = 0
+    in_flight: int = 0  # steps scheduled for it whose output has not come back
+    stale: int = 0  # of those, steps scheduled before it was last preempted
     hashes: list[int] = field(default_factory=list)
     resolved: set[int] = field(default_factory=set)  # inputs counted as encoder lookups
 
@@ -364,6 +366,11 @@ class Scheduler:
                 if len(self.running) >= config.max_num_seqs:
                     break
                 request = self.waiting[0]
+                if request.stale:
+                    # output of a step from before its preemption still in flight:
+                    # resuming now could sample a position that output delivers
+                    skipped.append(self.waiting.popleft())
+                    continue
                 hit: list[Hashable] = []
                 computed = request.computed
                 if computed == 0:
@@ -376,7 +383,8 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 if not prefix.allocate(request.request_id, computed + new,
-                                       min(computed + new, request.num_tokens), request.hashes, hit):
+                                       min(computed + new, request.num_tokens), request.hashes, hit,
+                                       whole_tokens=request.num_tokens):
                     if request.items:
                         encoder.free_request(request.request_id)
                     break
@@ -402,6 +410,7 @@ class Scheduler:
         for request_id, new in tokens.items():
             request = self.requests[request_id]
             request.computed += new
+            request.in_flight += 1
             if request.computed >= request.num_tokens + request.placeholders:  # not a prefill chunk
                 samples.append((request_id, request.preemptions))
                 if config.async_scheduling:
@@ -426,6 +435,9 @@ class Scheduler:
             if request is None:
                 continue  # finished meanwhile
             stale = sampled.get(request_id, request.preemptions) != request.preemptions
+            request.in_flight -= 1
+            if request.stale:
+                request.stale -= 1
             for input_id in encoder.cached_inputs(request_id):
                 item = request.items[input_id]
                 if item.offset + item.tokens <= request.computed - request.placeholders:
@@ -437,15 +449,17 @@ class Scheduler:
                 request.placeholders -= 1
             if request.outputs == 1:
                 first.append(request_id)
+            _grow_output(request)
+            if request.num_tokens % block_size == 0:
+                request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
+            if self.config.async_scheduling and not stale:
+                # the blocks its known tokens now fill are cached before any later step
+                self.prefix.cache(request_id, request.computed - request.placeholders, request.hashes)
             if request.outputs >= request.output_tokens:
                 finished.append(request_id)
                 encoder.free_request(request_id)
                 self.prefix.free(request_id)
                 del self.requests[request_id]
-                continue
-            _grow_output(request)
-            if request.num_tokens % block_size == 0:
-                request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r.request_id not in done]
@@ -478,6 +492,7 @@ class Scheduler:
         self.encoder.free_request(request.request_id)
         request.computed = 0
         request.placeholders = 0
+        request.stale = request.in_flight
         request.preemptions += 1
         request.resolved.clear()
         self.waiting.appendleft(request)
