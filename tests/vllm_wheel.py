@@ -9,7 +9,8 @@ would pull in torch; they are stubbed here, which is why the module is loaded al
 same way (their other imports stubbed, the stubs raising if ever called).
 
 If the wheel cannot be had, ``wheel()`` raises: the tests that need it fail, they do
-not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does).
+not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does);
+``--python-tree`` prints where its Python files are extracted (``python_tree()``).
 """
 
 from __future__ import annotations
@@ -236,4 +237,4 @@ def python_tree() -> Path:
 
 
 if __name__ == "__main__":
-    print(wheel())
+    print(python_tree() if sys.argv[1:] == ["--python-tree"] else wheel())

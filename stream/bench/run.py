@@ -16,7 +16,7 @@ from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
-__all__ = ["SCENARIOS", "refuse_quick_over_full", "run", "write_results"]
+__all__ = ["SCENARIOS", "VLLM_SCENARIOS", "refuse_quick_over_full", "run", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,13 @@ def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return soak_figures(quick, scale)  # on serve's own embedded broker, whatever ``bootstrap``
 
 
+def _scheduler_differential(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.scheduler_differential import figures
+
+    # vLLM's Scheduler beside the simulator's; needs torch and vLLM importable, no broker
+    return figures()
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -140,7 +147,11 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "reader_memory": _reader_memory,
     "idle": _idle,
     "match_embedded": _match_embedded,
+    "scheduler_differential": _scheduler_differential,
 }
+#: Scenarios that need torch and vLLM (the e2e environment, not the project's own) and no
+#: broker: they run only when named with ``--only``, and a run of only these starts none.
+VLLM_SCENARIOS = frozenset({"scheduler_differential"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
@@ -198,12 +209,13 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     """
     if quick:
         refuse_quick_over_full(out)
-    names = only or list(SCENARIOS)
+    names = only or [name for name in SCENARIOS if name not in VLLM_SCENARIOS]
     figures: list[Figure] = []
-    broker = None if bootstrap else EmbeddedBroker().start()
+    needs_broker = not bootstrap and not VLLM_SCENARIOS.issuperset(names)
+    broker = EmbeddedBroker().start() if needs_broker else None
     try:
-        servers = bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
-        if asyncio.run(is_tansu(servers, KafkaSecurity())):
+        servers = bootstrap or (broker.bootstrap_servers if broker else "")
+        if servers and asyncio.run(is_tansu(servers, KafkaSecurity())):
             apply_remedies()
         for name in names:
             log.info("bench scenario %s%s", name, " (quick)" if quick else "")
