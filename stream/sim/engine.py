@@ -13,9 +13,12 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
 3. Then, unless a request was preempted, the waiting requests in FCFS order while
    fewer than ``max_num_seqs`` run: a new request first takes its prefix-cache hit
    (whole leading blocks, never its last token), so the items inside the hit are never
-   encoded. A request that can get no token this step is skipped (put back in order at
-   the head afterwards) and the next one is tried; one whose KV blocks cannot be had
-   stops the loop.
+   encoded. A request that can get no token this step, or that was preempted while a
+   step of its own is still in flight, is skipped (put back in order at the head
+   afterwards) and the next one is tried; one whose KV blocks cannot be had stops the
+   loop, and so does one whose whole sequence would not fit in the free blocks
+   (``scheduler_reserve_full_isl``, on by default: admission reserves the whole prompt,
+   not its first chunk).
 4. Encoder inputs are scheduled item by item inside the request's token window
    ``[computed, computed + new)`` (``schedule_encoder_inputs``, after
    ``_try_schedule_encoder_inputs``): an item already resident is referenced (a hit),
@@ -24,8 +27,14 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
    ends the window at its start; a request already past that start (a prefix hit ended
    inside the item) gets no token this step.
 5. After the step, each request's inputs wholly inside its computed tokens are freed; a
-   request that has computed all its tokens samples one; the first is its first token; a
-   request with all its output tokens finishes and frees its blocks and references.
+   request that has computed all its tokens samples one; the first is its first token
+   (with async scheduling the full blocks of its known tokens are cached then, as
+   ``AsyncScheduler`` does); a request with all its output tokens finishes and frees its
+   blocks and references.
+
+``tests/e2e/test_scheduler_differential.py`` drives this class and vLLM 0.33.0's own
+``Scheduler`` step by step on the same seeded traces (``stream/bench/scheduler_differential.py``):
+every step agrees.
 
 ``Engine`` puts time around it: the processor cache at arrival (each missed item costs
 ``preprocess_ms_per_item`` of the server's one preprocessing lane before the request
