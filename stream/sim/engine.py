@@ -13,12 +13,14 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
 3. Then, unless a request was preempted, the waiting requests in FCFS order while
    fewer than ``max_num_seqs`` run: a new request first takes its prefix-cache hit
    (whole leading blocks, never its last token), so the items inside the hit are never
-   encoded. A request that can get no token this step, or that was preempted while a
-   step of its own is still in flight, is skipped (put back in order at the head
-   afterwards) and the next one is tried; one whose KV blocks cannot be had stops the
-   loop, and so does one whose whole sequence would not fit in the free blocks
+   encoded. A request that can get no token this step is skipped (put back in order at
+   the head afterwards) and the next one is tried; one whose KV blocks cannot be had
+   stops the loop, and so does one whose whole sequence would not fit in the free blocks
    (``scheduler_reserve_full_isl``, on by default: admission reserves the whole prompt,
-   not its first chunk).
+   not its first chunk). vLLM also skips a preempted request while output of a step
+   scheduled before its preemption is in flight; with a batch queue of at most 2 that
+   output is always back before the next ``schedule()`` (preemption stops the waiting
+   loop of its own step), so the rule never binds here and is left out.
 4. Encoder inputs are scheduled item by item inside the request's token window
    ``[computed, computed + new)`` (``schedule_encoder_inputs``, after
    ``_try_schedule_encoder_inputs``): an item already resident is referenced (a hit),
@@ -229,8 +231,6 @@ class _Request:
     computed: int = 0
     placeholders: int = 0  # tokens of steps in flight not known yet (async scheduling)
     preemptions: int = 0
-    in_flight: int = 0  # steps scheduled for it whose output has not come back
-    stale: int = 0  # of those, steps scheduled before it was last preempted
     hashes: list[int] = field(default_factory=list)
     resolved: set[int] = field(default_factory=set)  # inputs counted as encoder lookups
 
@@ -375,11 +375,6 @@ class Scheduler:
                 if len(self.running) >= config.max_num_seqs:
                     break
                 request = self.waiting[0]
-                if request.stale:
-                    # output of a step from before its preemption still in flight:
-                    # resuming now could sample a position that output delivers
-                    skipped.append(self.waiting.popleft())
-                    continue
                 hit: list[Hashable] = []
                 computed = request.computed
                 if computed == 0:
@@ -419,7 +414,6 @@ class Scheduler:
         for request_id, new in tokens.items():
             request = self.requests[request_id]
             request.computed += new
-            request.in_flight += 1
             if request.computed >= request.num_tokens + request.placeholders:  # not a prefill chunk
                 samples.append((request_id, request.preemptions))
                 if config.async_scheduling:
@@ -444,9 +438,6 @@ class Scheduler:
             if request is None:
                 continue  # finished meanwhile
             stale = sampled.get(request_id, request.preemptions) != request.preemptions
-            request.in_flight -= 1
-            if request.stale:
-                request.stale -= 1
             for input_id in encoder.cached_inputs(request_id):
                 item = request.items[input_id]
                 if item.offset + item.tokens <= request.computed - request.placeholders:
@@ -501,7 +492,6 @@ class Scheduler:
         self.encoder.free_request(request.request_id)
         request.computed = 0
         request.placeholders = 0
-        request.stale = request.in_flight
         request.preemptions += 1
         request.resolved.clear()
         self.waiting.appendleft(request)
