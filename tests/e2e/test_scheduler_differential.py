@@ -21,6 +21,7 @@ the path; nothing else of mmcache.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -95,6 +96,8 @@ def report() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
+    assert importlib.util.find_spec("torch"), (
+        f"{sys.executable} has no torch: this test runs in the e2e environment (make e2e)")
     tree = vllm_wheel.python_tree()
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join([str(tree), str(REPO)])}
     done = subprocess.run([sys.executable, "-c", f"import {__name__} as t; t.report()"], cwd=REPO, env=env,
