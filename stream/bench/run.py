@@ -16,7 +16,7 @@ from stream.config import KafkaSecurity
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.tansu import apply_remedies, is_tansu
 
-__all__ = ["SCENARIOS", "refuse_quick_over_full", "run", "write_results"]
+__all__ = ["SCENARIOS", "VLLM_SCENARIOS", "refuse_quick_over_full", "run", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,13 @@ def _vllm_plugin(bootstrap: str, quick: bool, scale: float | None) -> list[Figur
     return vllm_plugin_figures(1 if quick or scale else 3, 20 if quick or scale else 200)
 
 
+def _scheduler_differential(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.scheduler_differential import figures
+
+    # vLLM's Scheduler beside the simulator's; needs torch and vLLM importable, no broker
+    return figures()
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -163,9 +170,12 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "idle": _idle,
     "match_embedded": _match_embedded,
     "vllm_plugin": _vllm_plugin,
+    "scheduler_differential": _scheduler_differential,
 }
-# run only when named with --only: they need `make e2e`'s environment (a real vLLM)
-ON_REQUEST = frozenset({"vllm_plugin"})
+#: Scenarios that need `make e2e`'s environment (torch and a real vLLM), not the project's
+#: own: they run only when named with ``--only``; they start no broker of the bench's (the
+#: plugin's serve has its own embedded one, the scheduler differential needs none).
+VLLM_SCENARIOS = frozenset({"vllm_plugin", "scheduler_differential"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
@@ -223,12 +233,13 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     """
     if quick:
         refuse_quick_over_full(out)
-    names = only or [name for name in SCENARIOS if name not in ON_REQUEST]
+    names = only or [name for name in SCENARIOS if name not in VLLM_SCENARIOS]
     figures: list[Figure] = []
-    broker = None if bootstrap else EmbeddedBroker().start()
+    needs_broker = not bootstrap and not VLLM_SCENARIOS.issuperset(names)
+    broker = EmbeddedBroker().start() if needs_broker else None
     try:
-        servers = bootstrap or broker.bootstrap_servers  # type: ignore[union-attr]
-        if asyncio.run(is_tansu(servers, KafkaSecurity())):
+        servers = bootstrap or (broker.bootstrap_servers if broker else "")
+        if servers and asyncio.run(is_tansu(servers, KafkaSecurity())):
             apply_remedies()
         for name in names:
             log.info("bench scenario %s%s", name, " (quick)" if quick else "")

@@ -15,7 +15,12 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
    (whole leading blocks, never its last token), so the items inside the hit are never
    encoded. A request that can get no token this step is skipped (put back in order at
    the head afterwards) and the next one is tried; one whose KV blocks cannot be had
-   stops the loop.
+   stops the loop, and so does one whose whole sequence would not fit in the free blocks
+   (``scheduler_reserve_full_isl``, on by default: admission reserves the whole prompt,
+   not its first chunk). vLLM also skips a preempted request while output of a step
+   scheduled before its preemption is in flight; with a batch queue of at most 2 that
+   output is always back before the next ``schedule()`` (preemption stops the waiting
+   loop of its own step), so the rule never binds here and is left out.
 4. Encoder inputs are scheduled item by item inside the request's token window
    ``[computed, computed + new)`` (``schedule_encoder_inputs``, after
    ``_try_schedule_encoder_inputs``): an item already resident is referenced (a hit),
@@ -24,8 +29,14 @@ no speculative decoding, no KV connector, decoder-only model). Each step:
    ends the window at its start; a request already past that start (a prefix hit ended
    inside the item) gets no token this step.
 5. After the step, each request's inputs wholly inside its computed tokens are freed; a
-   request that has computed all its tokens samples one; the first is its first token; a
-   request with all its output tokens finishes and frees its blocks and references.
+   request that has computed all its tokens samples one; the first is its first token
+   (with async scheduling the full blocks of its known tokens are cached then, as
+   ``AsyncScheduler`` does); a request with all its output tokens finishes and frees its
+   blocks and references.
+
+``tests/e2e/test_scheduler_differential.py`` drives this class and vLLM 0.33.0's own
+``Scheduler`` step by step on the same seeded traces (``stream/bench/scheduler_differential.py``):
+every step agrees.
 
 ``Engine`` puts time around it: the processor cache at arrival (each missed item costs
 ``preprocess_ms_per_item`` of the server's one preprocessing lane before the request
@@ -376,7 +387,8 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 if not prefix.allocate(request.request_id, computed + new,
-                                       min(computed + new, request.num_tokens), request.hashes, hit):
+                                       min(computed + new, request.num_tokens), request.hashes, hit,
+                                       whole_tokens=request.num_tokens):
                     if request.items:
                         encoder.free_request(request.request_id)
                     break
@@ -437,15 +449,17 @@ class Scheduler:
                 request.placeholders -= 1
             if request.outputs == 1:
                 first.append(request_id)
+            _grow_output(request)
+            if request.num_tokens % block_size == 0:
+                request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
+            if self.config.async_scheduling and not stale:
+                # the blocks its known tokens now fill are cached before any later step
+                self.prefix.cache(request_id, request.computed - request.placeholders, request.hashes)
             if request.outputs >= request.output_tokens:
                 finished.append(request_id)
                 encoder.free_request(request_id)
                 self.prefix.free(request_id)
                 del self.requests[request_id]
-                continue
-            _grow_output(request)
-            if request.num_tokens % block_size == 0:
-                request.hashes = chain_hashes(request.runs, block_size, request.num_tokens, request.hashes)
         if finished:
             done = set(finished)
             self.running = [r for r in self.running if r.request_id not in done]

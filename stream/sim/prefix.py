@@ -242,33 +242,49 @@ class PrefixCache:
         return hit
 
     def allocate(self, request_id: Hashable, num_tokens: int, cacheable_tokens: int,
-                 hashes: Sequence[int], hit: Sequence[Hashable] = ()) -> bool:
+                 hashes: Sequence[int], hit: Sequence[Hashable] = (), whole_tokens: int = 0) -> bool:
         """Slots for the request's first ``num_tokens`` tokens (the computed ones and those
         scheduled now), ``hit`` the blocks of a new request's prefix hit. False, changing
-        nothing, when the free queue is too short; else the blocks are taken and the
+        nothing, when the free queue is too short, or too short for ``whole_tokens`` (the
+        admission of a waiting request: its whole sequence must fit, vLLM's
+        ``scheduler_reserve_full_isl``, on by default); else the blocks are taken and the
         full blocks among the first ``cacheable_tokens`` tokens cached."""
         held = self.blocks.get(request_id, [])
-        required = -(-num_tokens // self.block_size)
-        if request_id in self.cached_count:
-            need = max(required - len(held), 0)
-        else:
-            need = max(required - len(hit) - len(held), 0)
-            need += sum(1 for block in hit if self.pool.is_evictable(block))
-        if need > self.pool.num_free():
-            return False
+        for tokens in (whole_tokens, num_tokens) if whole_tokens else (num_tokens,):
+            if self._blocks_needed(request_id, tokens, held, hit) > self.pool.num_free():
+                return False
         held = self.blocks.setdefault(request_id, held)
         if hit:
             self.pool.touch(hit)
             held.extend(hit)
             self.cached_count[request_id] = len(held)  # hit blocks are cached already
+        required = -(-num_tokens // self.block_size)
         if required > len(held):
             held.extend(self.pool.new_blocks(required - len(held)))
+        self.cache(request_id, cacheable_tokens, hashes)
+        return True
+
+    def _blocks_needed(self, request_id: Hashable, num_tokens: int, held: Sequence[Hashable],
+                       hit: Sequence[Hashable]) -> int:
+        """Free blocks taken by slots for ``num_tokens`` tokens: the new ones, and the hit
+        blocks that are in the free queue now."""
+        required = -(-num_tokens // self.block_size)
+        if request_id in self.cached_count:
+            return max(required - len(held), 0)
+        need = max(required - len(hit) - len(held), 0)
+        return need + sum(1 for block in hit if self.pool.is_evictable(block))
+
+    def cache(self, request_id: Hashable, cacheable_tokens: int, hashes: Sequence[int]) -> None:
+        """Cache the request's full blocks among its first ``cacheable_tokens`` tokens that
+        it holds and has not cached yet (``KVCacheManager.cache_blocks``)."""
+        held = self.blocks.get(request_id)
+        if not held:
+            return
         cached = self.cached_count.get(request_id, 0)
-        full = min(cacheable_tokens, len(hashes) * self.block_size) // self.block_size
+        full = min(cacheable_tokens // self.block_size, len(hashes), len(held))
         if cached < full:
             self.pool.cache_blocks(held, hashes, cached, full)
             self.cached_count[request_id] = full
-        return True
 
     def free(self, request_id: Hashable) -> None:
         """Return the request's blocks, its last block first."""

@@ -298,3 +298,25 @@ def test_without_prefix_caching_nothing_hits_and_freed_blocks_are_reused_first()
     prefix.free("r1")  # hashless: back at the head of the queue, last block first
     assert prefix.longest_hit(a, 33) == []
     assert prefix.pool.free_queue and list(prefix.pool.free_queue)[:2] == [2, 1]
+
+
+def test_a_waiting_request_is_admitted_only_when_its_whole_prompt_fits():
+    """vLLM's ``scheduler_reserve_full_isl`` (on by default): b's first chunk would fit in
+    the free blocks, its whole prompt does not, so it waits for a to finish."""
+    s = scheduler(kv_blocks=9, max_num_batched_tokens=96)  # 8 blocks of 16 tokens
+    s.add(request("a", text("a", 64), output_tokens=2))
+    s.add(request("b", text("b", 100)))  # 7 blocks
+    assert step(s)[0] == {"a": 64}  # 32 tokens of b (2 blocks) would fit in the 4 left
+    assert step(s) == ({"a": 1}, [], ["a"])
+    assert step(s)[0] == {"b": 96}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_finished_requests_last_full_block_is_cached_with_or_without_async_scheduling(async_scheduling):
+    """The first output token completes a's second block. Without async scheduling the
+    decode step caches it; with it that step was planned before the token was known, and
+    vLLM's ``AsyncScheduler`` caches it when the token comes back."""
+    engine = Engine(EngineConfig(kv_blocks=100, async_scheduling=async_scheduling), COSTS)
+    engine.submit(request("a", text("a", 31), output_tokens=2), now=0.0)
+    run_to_idle(engine)
+    assert engine.finished and len(engine.scheduler.prefix.pool.cached) == 2
