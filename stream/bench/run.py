@@ -119,6 +119,12 @@ def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return soak_figures(quick, scale)  # on serve's own embedded broker, whatever ``bootstrap``
 
 
+def _fleet_real(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.fleet_real import fleet_real_figures
+
+    return fleet_real_figures(quick, scale)  # real vLLM servers and serves of its own
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -133,7 +139,10 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "soak": _soak,
     "idle": _idle,
     "match_embedded": _match_embedded,
+    "fleet_real": _fleet_real,
 }
+# run only when named (``--only``): they need what `make e2e` builds (vLLM, the tiny model)
+NAMED_ONLY = frozenset({"fleet_real"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
@@ -173,7 +182,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     """
     if quick:
         refuse_quick_over_full(out)
-    names = only or list(SCENARIOS)
+    names = only or [name for name in SCENARIOS if name not in NAMED_ONLY]
     figures: list[Figure] = []
     broker = None if bootstrap else EmbeddedBroker().start()
     try:
