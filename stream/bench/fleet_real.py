@@ -4,10 +4,11 @@ reference gateway (``stream.gateway``), one seeded trace, each gateway policy in
 
 Per policy, the real figures:
 
-- encoder: lookups are the trace's (request, distinct item) pairs; misses are the entries
-  vLLM's encoder cache manager allocated, which the plugin reports as ``stored`` (counted
-  by a tap between the plugin and mmcache, :class:`EngineEventTap`); hits = lookups -
-  misses;
+- encoder: the share of the trace's (request, distinct item) pairs that were not encoded:
+  1 - the entries vLLM's encoder cache manager allocated (the plugin reports each as
+  ``stored``; a tap between the plugin and mmcache counts them, :class:`EngineEventTap`)
+  / the pairs. An item inside a prefix hit needs no encoder, so it counts as saved too;
+  the simulator's figure is put in the same terms (:func:`_layers`);
 - processor: ``vllm:mm_cache_queries``/``vllm:mm_cache_hits`` (items), prefix:
   ``vllm:prefix_cache_queries``/``vllm:prefix_cache_hits`` (tokens), from each server's
   ``/metrics``, summed, as differences over the policy's run;
@@ -496,13 +497,24 @@ async def run_fleet(trace: FleetTrace, policies: Sequence[str], servers: Mapping
             shutil.rmtree(work, ignore_errors=True)
     blocks, block_size = kv
     sim = predicted(requests, trace, blocks, block_size, policies)
-    return {"trace": {"requests": len(requests), "items": sum(len(r.items) for r in requests),
+    items = sum(len(r.items) for r in requests)
+    return {"trace": {"requests": len(requests), "items": items,
                       "distinct_items": len({i.hash for r in requests for i in r.items}),
                       "conversations": len({r.conversation for r in requests if r.conversation >= 0}),
                       "kv_blocks": blocks, "block_size": block_size},
             "real": {p: r.summary() for p, r in real.items()},
-            "simulated": {p: {**r.summary(), "layers": {k: v.hit_ratio for k, v in r.layers.items()}}
-                          for p, r in sim.items()}}
+            "simulated": {p: {**r.summary(), "layers": _layers(r, items)} for p, r in sim.items()}}
+
+
+def _layers(result: PolicyResult, items: int) -> dict[str, float]:
+    """The simulator's hit ratios in the real run's terms: its encoder layer counts only
+    the items whose tokens were computed (an item inside a prefix hit is never looked up),
+    the real one every item of every request (1 - encodings / items)."""
+    ratios = {name: layer.hit_ratio for name, layer in result.layers.items()}
+    encoder = result.layers["encoder"]
+    ratios["encoder"] = 1 - (encoder.lookups - encoder.hits) / items if items else 0.0
+    ratios["encoder_computed_only"] = encoder.hit_ratio
+    return ratios
 
 
 def _default_python() -> Path:

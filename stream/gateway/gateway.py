@@ -86,7 +86,7 @@ def scraped_load(metrics: str) -> int:
     """Requests running plus waiting, summed over the lines of vLLM's ``/metrics``."""
     total = 0.0
     for line in metrics.splitlines():
-        if line.startswith(_LOAD_METRICS):
+        if line.split("{", 1)[0].split(" ", 1)[0] in _LOAD_METRICS:
             total += float(line.rsplit(" ", 1)[1])
     return round(total)
 
