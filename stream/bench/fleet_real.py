@@ -180,7 +180,7 @@ class EngineEventTap:
         self._session = aiohttp.ClientSession()
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/engine-events", self._handle)
-        self._runner = web.AppRunner(app)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
@@ -339,7 +339,7 @@ async def run_policy(policy: str, requests: Sequence[Request], bodies: Sequence[
             stored_before = sum(tap.stored.values())
             gateway = Gateway(servers, mmcache, policy, scrape_s=trace.scrape_s, match_timeout_s=1.0,
                               seed=trace.seed)
-            runner = web.AppRunner(gateway.app())
+            runner = web.AppRunner(gateway.app(), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
