@@ -708,5 +708,104 @@ def test_a_vllm_whose_manager_differs_is_refused_at_start():
             super().__init__(cache_size)
             del self.num_embeds_by_hash  # as if a later vLLM named it otherwise
 
-    with pytest.raises(ConfigError, match="EncoderCacheManager has no num_embeds_by_hash"):
+    with pytest.raises(ConfigError, match="EncoderCacheManager has no num_embeds_by_hash; mmcache-vllm needs vLLM 0.31.0 or later"):
         Renamed.create_manager(cache_size=100, vllm_config=vllm_config(url="http://mmcache", endpoint=ENDPOINT))
+
+
+# -- an idle engine, a rotated token, a clean exit ---------------------------------------
+
+
+def test_an_idle_engine_resyncs_on_the_plugins_own_timer(make_manager):
+    """mmcache down while the engine works, then up while the engine is idle: the view is
+    whole again without another scheduling pass."""
+    port = unused_port()
+    manager = make_manager(f"http://127.0.0.1:{port}", batch_size=32, max_backoff_s=0.05)
+    scheduler = Scheduler(manager, 6)
+    for _ in range(200):
+        scheduler.step()
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 1, step=scheduler.step)
+    expected = scheduler.holdings()  # from here on, no pass: the engine is idle
+    assert expected
+    recorder = Recorder(port)
+    try:
+        counters = wait_for(lambda: recorder.view() == expected and resynced(manager))
+        assert counters.errors == 0
+    finally:
+        recorder.close()
+
+
+def test_a_resync_taken_while_the_scheduler_works_still_ends_exact(make_manager):
+    """The sender's own snapshot races the scheduler thread (a hook ran while it copied):
+    the scheduler's next pass takes another one, and the view ends equal to the cache."""
+    port = unused_port()
+    manager = make_manager(f"http://127.0.0.1:{port}", batch_size=16, max_backoff_s=0.01)
+    scheduler = Scheduler(manager, 7)
+    for _ in range(100):
+        scheduler.step()
+    wait_for(lambda: manager.reporter.counters().posts_failed >= 1, step=scheduler.step)
+    recorder = Recorder(port)
+    try:
+        for _ in range(300):  # passes now and then, the sender's timer between them
+            scheduler.step()
+            time.sleep(0.001)
+        expected = scheduler.holdings()
+        wait_for(lambda: recorder.view() == expected and resynced(manager), step=scheduler.idle_pass)
+    finally:
+        recorder.close()
+
+
+def test_a_rotated_token_file_is_read_again(recorder, make_manager, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("first-token\n")
+    manager = make_manager(recorder.url, token_file=str(tokens))
+    scheduler = Scheduler(manager, 8)
+    wait_for(lambda: recorder.applied())
+    assert recorder.applied()[-1].headers["Authorization"] == "Bearer first-token"
+    rotated = tmp_path / "tokens.new"  # as a Secret's volume does it: a new file swapped in
+    rotated.write_text("# rotated\nsecond-token\n")
+    rotated.replace(tokens)
+    wait_for(lambda: recorder.applied()[-1].headers["Authorization"] == "Bearer second-token",
+             step=scheduler.step)
+    tokens.write_text("# emptied by mistake\n")  # no token: the last one stays in use
+    wait_for(lambda: any("holds no token" in r.getMessage() for r in caplog.records), step=scheduler.step)
+    count = len(recorder.applied())
+    wait_for(lambda: len(recorder.applied()) > count, step=scheduler.step)
+    assert recorder.applied()[-1].headers["Authorization"] == "Bearer second-token"
+    messages = [record.getMessage() for record in caplog.records]
+    assert all("first-token" not in m and "second-token" not in m for m in messages)
+
+
+def test_a_clean_exit_sends_cleared(recorder, make_manager):
+    manager = make_manager(recorder.url)
+    scheduler = Scheduler(manager, 9)
+    for _ in range(50):
+        scheduler.step()
+    wait_for(lambda: recorder.view() == scheduler.holdings() and recorder.view())
+    manager.reporter.close()
+    assert recorder.view() == {}
+    assert recorder.applied()[-1].body["events"] == [{"type": "cleared"}]
+    manager.reporter.close()  # once only
+    assert recorder.applied()[-1].body["events"] == [{"type": "cleared"}]
+
+
+def test_a_clean_exit_of_the_process_sends_cleared(recorder):
+    """``close`` is registered with multiprocessing's exit handlers, which a forked
+    process (vLLM's engine core) runs at its end though it skips atexit."""
+    import multiprocessing
+
+    def engine() -> None:
+        manager = MmcacheEncoderCacheManager.create_manager(
+            cache_size=4000, vllm_config=vllm_config(url=recorder.url, endpoint=ENDPOINT, interval_s=0.01))
+        scheduler = Scheduler(manager, 10)
+        for _ in range(30):
+            scheduler.step()
+        wait_for(lambda: manager.reporter.counters().sent == manager.reporter.counters().queued)
+
+    child = multiprocessing.get_context("fork").Process(target=engine)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    applied = recorder.applied()
+    assert any(event["type"] == "stored" for post in applied[:-1] for event in post.body["events"])
+    assert applied[-1].body["events"] == [{"type": "cleared"}] and recorder.view() == {}

@@ -1,8 +1,9 @@
 """The plugin's settings, read once from vLLM's ``manager_config`` when the scheduler starts.
 
 A bad setting raises :class:`ConfigError` from ``create_manager``: vLLM then refuses to
-start, and the operator reads one line naming the key and what it takes. That is the only
-place the plugin fails on purpose; once running it never raises into vLLM.
+start, and its log ends with one line naming the key and what it takes (after vLLM's own
+traceback of the engine's start). That is the only place the plugin fails on purpose; once
+running it never raises into vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "ReporterConfig", "SERVICE_ACCOUNT_NAMESPACE", "MAX_BATCH_SIZE"]
+__all__ = ["ConfigError", "ReporterConfig", "SERVICE_ACCOUNT_NAMESPACE", "MAX_BATCH_SIZE", "read_token"]
 
 # the service's default MMCACHE_MAX_ITEMS: a POST never carries more items and hashes
 MAX_BATCH_SIZE = 1024
@@ -38,6 +39,8 @@ class ReporterConfig:
     events_url: str
     endpoint: str
     token: str | None = field(default=None, repr=False)
+    # re-read by the sender when the file changes (a rotated Secret), see reporter.py
+    token_file: str | None = None
     batch_size: int = 512
     interval_s: float = 0.2
     queue_size: int = 10_000
@@ -64,10 +67,12 @@ class ReporterConfig:
         defaults = cls.__dataclass_fields__
         batch_size = _integer(raw, "batch_size", defaults["batch_size"].default, 1, MAX_BATCH_SIZE)
         queue_size = _integer(raw, "queue_size", defaults["queue_size"].default, batch_size, 10_000_000)
+        token_file = _readable_file(raw.get("token_file"), "token_file")
         return cls(
             events_url=_url(raw["url"]),
             endpoint=_endpoint(raw.get("endpoint"), environ, namespace_file),
-            token=_token(raw.get("token_file")),
+            token=None if token_file is None else read_token(token_file),
+            token_file=token_file,
             batch_size=batch_size,
             interval_s=_seconds(raw, "interval_s", defaults["interval_s"].default),
             queue_size=queue_size,
@@ -127,13 +132,9 @@ def _pod_name(environ: Mapping[str, str], namespace_file: Path) -> str:
     return f"{namespace}/{name}"
 
 
-def _token(path: Any) -> str | None:
+def read_token(path: str) -> str:
     """The first line of the file that is neither empty nor a ``#`` comment. No message
     below ever holds the file's content."""
-    if path is None:
-        return None
-    path = _readable_file(path, "token_file")
-    assert path is not None
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -22,6 +22,7 @@ hits (``check_and_update_cache``) and freeing references (``free``,
 
 from __future__ import annotations
 
+from multiprocessing.util import Finalize
 from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
@@ -53,6 +54,9 @@ class MmcacheEncoderCacheManager(EncoderCacheManager):
         _check_base(manager)
         manager.reporter = EngineEventReporter(config, manager._holdings)
         manager.reporter.start()
+        # run at the process's clean exit, also in vLLM's engine process, which
+        # multiprocessing ends without atexit when it was forked
+        Finalize(None, manager.reporter.close, exitpriority=10)
         return manager
 
     def __init__(self, cache_size: int) -> None:
@@ -63,46 +67,64 @@ class MmcacheEncoderCacheManager(EncoderCacheManager):
 
     def allocate(self, request: Any, input_id: int) -> None:
         """Reports ``stored`` when the entry is new to the cache."""
+        reporter = self.reporter
+        reporter.enter()
         try:
-            feature = request.mm_features[input_id]
-            added = feature.identifier not in self.cached
-        except Exception as exc:
-            self.reporter.failed(exc)
-            added = False
-        super().allocate(request, input_id)
-        if added:
             try:
-                mm_hash = feature.identifier
-                modality = getattr(feature, "modality", None)
-                self._modalities[mm_hash] = modality
-                self.reporter.stored(mm_hash, self.num_embeds_by_hash[mm_hash], modality)
+                feature = request.mm_features[input_id]
+                added = feature.identifier not in self.cached
             except Exception as exc:
-                self.reporter.failed(exc)
+                reporter.failed(exc)
+                added = False
+            super().allocate(request, input_id)
+            if added:
+                try:
+                    mm_hash = feature.identifier
+                    modality = getattr(feature, "modality", None)
+                    self._modalities[mm_hash] = modality
+                    reporter.stored(mm_hash, self.num_embeds_by_hash[mm_hash], modality)
+                except Exception as exc:
+                    reporter.failed(exc)
+        finally:
+            reporter.leave()
 
     def get_freed_mm_hashes(self) -> list[str]:
         """Reports ``removed`` for exactly the entries the workers are told to drop."""
-        freed = super().get_freed_mm_hashes()
+        reporter = self.reporter
+        reporter.enter()
         try:
-            for mm_hash in freed:
-                self._modalities.pop(mm_hash, None)
-            self.reporter.removed(freed)
-        except Exception as exc:
-            self.reporter.failed(exc)
-        return freed
+            freed = super().get_freed_mm_hashes()
+            try:
+                for mm_hash in freed:
+                    self._modalities.pop(mm_hash, None)
+                reporter.removed(freed)
+            except Exception as exc:
+                reporter.failed(exc)
+            return freed
+        finally:
+            reporter.leave()
 
     def reset(self) -> None:
         """Reports ``cleared`` (vLLM resets when model weights change)."""
-        super().reset()
+        reporter = self.reporter
+        reporter.enter()
         try:
-            self._modalities.clear()
-            self.reporter.cleared()
-        except Exception as exc:
-            self.reporter.failed(exc)
+            super().reset()
+            try:
+                self._modalities.clear()
+                reporter.cleared()
+            except Exception as exc:
+                reporter.failed(exc)
+        finally:
+            reporter.leave()
 
     def _holdings(self) -> list[Item]:
-        """Every entry held now, for a resync (the scheduler thread, within a hook)."""
-        modalities = self._modalities
-        return [(mm_hash, size, modalities.get(mm_hash)) for mm_hash, size in self.num_embeds_by_hash.items()]
+        """Every entry held now, for a resync: on the scheduler thread within a hook, or
+        on the sender's while the scheduler is idle. Each dict is copied first, in one
+        C-level call that no other thread interleaves with (the GIL)."""
+        sizes = dict(self.num_embeds_by_hash)
+        modalities = dict(self._modalities)
+        return [(mm_hash, size, modalities.get(mm_hash)) for mm_hash, size in sizes.items()]
 
 
 def _check_base(manager: EncoderCacheManager) -> None:
@@ -114,7 +136,7 @@ def _check_base(manager: EncoderCacheManager) -> None:
                 if not isinstance(getattr(manager, name, None), dict)]
     if missing:
         raise ConfigError(f"mmcache-vllm: this vLLM's EncoderCacheManager has no {', '.join(missing)}; "
-                          "mmcache-vllm was written for vLLM 0.33")
+                          "mmcache-vllm needs vLLM 0.31.0 or later")
 
 
 def _manager_config(vllm_config: Any) -> Any:

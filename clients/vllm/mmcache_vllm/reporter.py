@@ -22,12 +22,24 @@ came before the marker (the snapshot covers it) and sends ``cleared`` followed b
 ``stored`` for every item of the snapshot, then the items queued after it. The same
 happens when the scheduler thread itself had to drop an item. Each field below is
 written by one thread only; the other only reads it.
+
+An idle engine runs no scheduling pass, so the sender takes the snapshot itself when the
+scheduler thread has been outside the plugin's hooks for a whole interval: every hook
+bumps ``_activity`` on entry and on exit (odd while inside one), the sender copies the
+cache (one C-level dict copy, atomic under the GIL) and queues the marker, and if
+``_activity`` moved meanwhile it asks the scheduler thread for another snapshot, which
+supersedes its own.
+
+At a clean exit of vLLM's process (``close``, run by multiprocessing's exit handlers) the
+reporter sends ``cleared``: the engine's cache is gone with it. The token file is read
+again before a POST when it changed (a rotated Secret), never on the scheduler thread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import ssl
 import threading
 import time
@@ -38,7 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ReporterConfig
+from .config import ConfigError, ReporterConfig, read_token
 
 __all__ = ["Counters", "EngineEventReporter", "Item", "LOGGER_NAME"]
 
@@ -125,9 +137,14 @@ class EngineEventReporter:
         self._dirty = False  # an item was dropped here since the last snapshot
         self._markers_queued = 0
         self._requests_served = 0
+        self._activity = 0  # bumped on entry to and exit from each hook: odd while inside one
         # written by the sender thread
         self._markers_taken = 0
         self._requests = 0  # snapshots asked for
+        self._sender_markers = 0  # snapshots the sender took itself, the engine being idle
+        self._served_by_sender = 0  # the request the sender's last own snapshot answered
+        self._seen_activity = -1  # _activity at the sender's previous wake
+        self._closed = False
         self._sent = 0
         self._unsent = 0
         self._resynced = 0
@@ -150,6 +167,8 @@ class EngineEventReporter:
         self._told_failure = False  # a failure was logged and its end not yet
         self._reported_errors = 0
         self._headers = {"Content-Type": "application/json"}
+        self._token = config.token
+        self._token_stamp = _stamp(config.token_file)
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
         context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
@@ -182,6 +201,14 @@ class EngineEventReporter:
         self._offer(_CLEARED)
         self._resync_if_due()
 
+    def enter(self) -> None:
+        """The scheduler thread enters a hook (before vLLM's own code changes the cache)."""
+        self._activity += 1
+
+    def leave(self) -> None:
+        """The scheduler thread leaves a hook (after what changed was queued)."""
+        self._activity += 1
+
     def failed(self, exc: BaseException) -> None:
         """The manager caught ``exc`` while reporting: counted, logged later by the sender."""
         self._scheduler_errors += 1
@@ -201,7 +228,8 @@ class EngineEventReporter:
         unless one is still queued. It goes in even when the queue is full: it supersedes
         everything before it, and there is never more than one in the queue."""
         requests = self._requests
-        if (self._dirty or requests != self._requests_served) and self._markers_queued == self._markers_taken:
+        asked = requests != self._requests_served and requests != self._served_by_sender
+        if (self._dirty or asked) and self._markers_queued + self._sender_markers == self._markers_taken:
             self._queue.append(_Snapshot(self._snapshot()))
             self._markers_queued += 1
             self._requests_served = requests
@@ -218,7 +246,7 @@ class EngineEventReporter:
             posts_ok=self._posts_ok, posts_failed=self._posts_failed, resyncs=self._resyncs,
             errors=self._scheduler_errors + self._sender_errors, queue_length=len(self._queue),
             resync_pending=self._lost or self._dirty or self._resync_left > 0
-            or self._markers_queued != self._markers_taken)
+            or self._markers_queued + self._sender_markers != self._markers_taken)
 
     def start(self) -> None:
         """Starts the sender thread; says the effective settings once."""
@@ -229,9 +257,31 @@ class EngineEventReporter:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stops the sender after its current POST (tests; vLLM never calls it)."""
+        """Stops the sender after its current POST, saying nothing more (tests)."""
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Stops the sender and sends ``cleared`` once: vLLM's process is exiting, and the
+        engine's cache goes with it. Runs once; nothing after ``stop``."""
+        if self._closed:
+            return
+        self.stop(self.config.timeout_s)
+        try:
+            self._refresh_token()
+            status, reason = self._post([_CLEARED])
+        except Exception as exc:  # exiting: say it, never raise
+            status, reason = None, f"{type(exc).__name__}: {exc}"
+        if status == 202:
+            self._posts_ok += 1
+            log.info("mmcache-vllm: told %s that this engine's cache is gone (cleared)",
+                     self.config.events_url)
+        else:
+            self._posts_failed += 1
+            self._say(logging.WARNING, f"mmcache-vllm: could not tell {self.config.events_url} that this "
+                      f"engine's cache is gone ({reason}); its view of {self.config.endpoint!r} stays "
+                      "until the engine starts again")
 
     # -- the sender thread -------------------------------------------------------------
 
@@ -255,11 +305,14 @@ class EngineEventReporter:
             if not self._asked and time.monotonic() >= self._retry_at:
                 self._requests += 1
                 self._asked = True
+            elif self._asked:
+                self._resync_if_idle()
             return False
         if not self._outbox:
             return False
         batch = [self._outbox.popleft() for _ in range(min(self._batch_size, len(self._outbox)))]
         self._in_flight = batch
+        self._refresh_token()
         status, reason = self._post(batch)  # an exception here: _run counts the batch in flight
         self._in_flight = []
         if status in (400, 413):
@@ -315,6 +368,38 @@ class EngineEventReporter:
             self._refusal_logged_at = now
             self._say(logging.ERROR, f"mmcache-vllm: {self.config.events_url} refused an item even alone "
                       f"({reason}); dropped, the view misses that change ({self._refused} refused so far)")
+
+    def _resync_if_idle(self) -> None:
+        """Takes the snapshot asked for on this thread when the scheduler thread has been
+        outside the hooks since the previous wake (no scheduling pass would take it)."""
+        activity = self._activity
+        idle = activity % 2 == 0 and activity == self._seen_activity
+        self._seen_activity = activity
+        if not idle or self._requests in (self._requests_served, self._served_by_sender) \
+                or self._markers_queued + self._sender_markers != self._markers_taken:
+            return
+        self._served_by_sender = self._requests
+        self._queue.append(_Snapshot(self._snapshot()))
+        self._sender_markers += 1
+        if self._activity != activity:  # a hook ran meanwhile: the copy may miss its change
+            self._requests += 1
+
+    def _refresh_token(self) -> None:
+        """Reads the token file again when it changed since it was last read (a Secret
+        rotated in place); a file without a token leaves the previous one in use."""
+        stamp = _stamp(self.config.token_file)
+        if stamp == self._token_stamp or self.config.token_file is None:
+            return
+        self._token_stamp = stamp
+        try:
+            token = read_token(self.config.token_file)
+        except ConfigError as exc:
+            self._say(logging.WARNING, f"{exc}; still sending the token read before")
+            return
+        if token != self._token:
+            self._token = token
+            self._headers["Authorization"] = f"Bearer {token}"
+            log.info("mmcache-vllm: %s changed; sending its token from now on", self.config.token_file)
 
     def _take(self) -> None:
         """Moves queued items to the outbox, up to one batch; while items are lost, drops
@@ -397,9 +482,22 @@ class EngineEventReporter:
         self._say(logging.WARNING, message)
 
     def _say(self, level: int, message: str) -> None:
-        if self.config.token:
-            message = message.replace(self.config.token, "***")
+        for token in (self.config.token, self._token):
+            if token:
+                message = message.replace(token, "***")
         log.log(level, message)
+
+
+def _stamp(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a changed file: its inode, modification time and size (a Secret's
+    volume swaps a symlink, which ``stat`` follows)."""
+    if path is None:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
