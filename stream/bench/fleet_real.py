@@ -569,11 +569,31 @@ def figures_of(doc: Mapping[str, Any], trace: FleetTrace) -> list[Figure]:
     return rows
 
 
-if __name__ == "__main__":  # python -m stream.bench.fleet_real [requests]: the JSON document
-    size = int(sys.argv[1]) if len(sys.argv) > 1 else FleetTrace().requests
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m stream.bench.fleet_real``: the run's JSON document on stdout (the e2e
+    test's short run; the bench rows come from ``mmcache bench --only fleet_real``).
+    ``MMCACHE_FLEET_SERVERS`` (``name=url,...``) uses servers already running, whose plugin
+    reports to 127.0.0.1:``MMCACHE_FLEET_TAP_PORT``; else two are started."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m stream.bench.fleet_real")
+    parser.add_argument("--requests", type=int, default=FleetTrace().requests)
+    parser.add_argument("--rate", type=float, default=FleetTrace().rate)
+    parser.add_argument("--seed", type=int, default=FleetTrace().seed)
+    parser.add_argument("--policies", default=",".join(GATEWAY_POLICIES))
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in GATEWAY_POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policy {unknown[0]!r}: one of {', '.join(GATEWAY_POLICIES)}")
     servers_env = os.environ.get("MMCACHE_FLEET_SERVERS")
     given = dict(pair.split("=", 1) for pair in servers_env.split(",")) if servers_env else None
-    document = asyncio.run(run_fleet(FleetTrace(requests=size), GATEWAY_POLICIES, servers=given,
+    trace = FleetTrace(requests=args.requests, rate=args.rate, seed=args.seed)
+    document = asyncio.run(run_fleet(trace, policies, servers=given,
                                      tap_port=int(os.environ.get("MMCACHE_FLEET_TAP_PORT", "0")),
                                      python=_default_python(), model=_default_model()))
     sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()
