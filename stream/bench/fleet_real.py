@@ -18,12 +18,12 @@ Per policy, the real figures:
   are kept): precision = true_hit / (true_hit + false_hit), recall = true_hit /
   (true_hit + missed_hit).
 
-The simulator runs the same requests (``stream.sim.workload.generate`` of the same spec)
-through a fleet of the same shape (``FleetSpec``: servers, max_num_seqs,
-max_num_batched_tokens = the encoder cache size, KV blocks and block size as the servers
-report them). Between policies every server's caches are reset (prefix, processor,
-encoder: vLLM's dev routes) and serve starts on a new data dir, so each policy starts
-cold, as in the simulator.
+The simulator runs as ``mmcache simulate`` with the arguments of :func:`simulate_argv`
+(the run's document carries the command): the same requests (checked equal), a fleet of
+the same shape (servers, max_num_seqs, max_num_batched_tokens = the encoder cache size,
+KV blocks and block size as the servers report them), one gateway replica. Between
+policies every server's caches are reset (prefix, processor, encoder: vLLM's dev routes)
+and serve starts on a new data dir, so each policy starts cold, as in the simulator.
 
 The trace's text is words drawn from the segment's key (one word is about one token of
 the tiny model's tokenizer), its images PNGs of exactly the item's embeddings (28 x 28
@@ -48,7 +48,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +59,8 @@ from aiohttp import web
 from stream.bench.figures import Figure
 from stream.bench.service import Worker
 from stream.gateway.gateway import GATEWAY_POLICIES, Gateway
-from stream.sim.engine import Costs, EngineConfig, Segment
-from stream.sim.fleet import FleetSpec, PolicyResult, percentile, simulate
+from stream.sim.engine import Costs, Segment
+from stream.sim.fleet import PolicyResult, percentile
 from stream.sim.workload import Request, SizeMix, WorkloadSpec, generate
 
 __all__ = ["FleetTrace", "RealResult", "chat_body", "fleet_real_figures", "png_data_url", "run_fleet"]
@@ -371,21 +371,51 @@ async def run_policy(policy: str, requests: Sequence[Request], bodies: Sequence[
     return result
 
 
-def predicted(requests: Sequence[Request], trace: FleetTrace, kv_blocks: int, block_size: int,
-              policies: Sequence[str]) -> dict[str, PolicyResult]:
-    """The simulator on the same requests, with the fleet's shape."""
-    engine = replace(EngineConfig(), max_num_batched_tokens=trace.max_num_batched_tokens,
-                     max_num_seqs=trace.max_num_seqs, encoder_cache_size=trace.max_num_batched_tokens,
-                     encoder_compute_budget=trace.max_num_batched_tokens, kv_blocks=kv_blocks,
-                     block_size=block_size)
-    fleet = FleetSpec(servers=trace.servers, engine=engine, costs=_CPU_COSTS, scrape_s=trace.scrape_s)
-    return {policy: simulate(requests, fleet, policy, seed=trace.seed, replicas=1) for policy in policies}
+def simulate_argv(trace: FleetTrace, kv_blocks: int, block_size: int, policies: Sequence[str]) -> list[str]:
+    """The ``mmcache simulate`` arguments of this trace and fleet: the same requests (the
+    workload's flags and seed, the rate), the servers' shape as they report it, the
+    gateway's scrape interval, CPU costs (:data:`CPU_COSTS`)."""
+    costs, sizes = CPU_COSTS, trace.sizes
+    return ["simulate", "--servers", str(trace.servers), "--replicas", "1",
+            "--requests", str(trace.requests),
+            "--rate", f"{trace.rate:g}", "--seed", str(trace.seed), "--policies", ",".join(policies),
+            "--max-num-seqs", str(trace.max_num_seqs),
+            "--max-num-batched-tokens", str(trace.max_num_batched_tokens),
+            "--encoder-cache-size", str(trace.max_num_batched_tokens),
+            "--kv-blocks", str(kv_blocks), "--block-size", str(block_size),
+            "--scrape-ms", f"{trace.scrape_s * 1000:g}",
+            "--preprocess-ms", f"{costs.preprocess_ms_per_item:g}",
+            "--encoder-ms-per-1k", f"{costs.encoder_ms_per_1k_embeddings:g}",
+            "--prefill-ms-per-1k", f"{costs.prefill_ms_per_1k_tokens:g}",
+            "--decode-ms", f"{costs.decode_ms_per_step:g}",
+            "--step-overhead-ms", f"{costs.step_overhead_ms:g}",
+            "--catalogue", str(trace.catalogue), "--conversation-share", f"{trace.conversation_share:g}",
+            "--turns", f"{trace.turns[0]},{trace.turns[1]}", "--think-s", f"{trace.think_s:g}",
+            "--fresh-share", f"{trace.fresh_share:g}", "--system-tokens", str(trace.system_tokens),
+            "--text-tokens", f"{trace.text_tokens[0]},{trace.text_tokens[1]}",
+            "--output-tokens", str(trace.output_tokens), "--small-embeddings", str(sizes.small),
+            "--large-embeddings", f"{sizes.large[0]},{sizes.large[1]}",
+            "--large-share", f"{sizes.large_share:g}",
+            "--video-share", f"{sizes.video_share:g}", "--format", "json"]
+
+
+def predicted(argv: Sequence[str]) -> tuple[dict[str, PolicyResult], list[Request]]:
+    """The simulator's results for ``mmcache simulate`` arguments, and its requests."""
+    import argparse
+
+    from stream.sim.commands import add_commands, run_simulation
+
+    parser = argparse.ArgumentParser(prog="mmcache")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    placed: list[tuple[str, Request]] = []
+    run = run_simulation(parser.parse_args(list(argv)), placed=placed)
+    return run.results, sorted((request for _, request in placed), key=lambda r: r.id)
 
 
 # The tiny model on one loaded CPU core: rough, and only the ratios between policies are
 # read (the simulator's TTFT is not a measurement of this machine).
-_CPU_COSTS = Costs(preprocess_ms_per_item=20.0, encoder_ms_per_1k_embeddings=400.0,
-                   prefill_ms_per_1k_tokens=200.0, decode_ms_per_step=15.0, step_overhead_ms=5.0)
+CPU_COSTS = Costs(preprocess_ms_per_item=20.0, encoder_ms_per_1k_embeddings=400.0,
+                  prefill_ms_per_1k_tokens=200.0, decode_ms_per_step=15.0, step_overhead_ms=5.0)
 
 
 def _free_port() -> int:
@@ -496,24 +526,35 @@ async def run_fleet(trace: FleetTrace, policies: Sequence[str], servers: Mapping
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
     blocks, block_size = kv
-    sim = predicted(requests, trace, blocks, block_size, policies)
+    argv = simulate_argv(trace, blocks, block_size, policies)
+    sim, simulated_requests = predicted(argv)
+    if simulated_requests != requests:
+        raise AssertionError("the simulator's requests are not the real run's")
     items = sum(len(r.items) for r in requests)
-    return {"trace": {"requests": len(requests), "items": items,
+    return {"command": "mmcache " + " ".join(argv),
+            "trace": {"requests": len(requests), "items": items,
                       "distinct_items": len({i.hash for r in requests for i in r.items}),
                       "conversations": len({r.conversation for r in requests if r.conversation >= 0}),
                       "kv_blocks": blocks, "block_size": block_size},
             "real": {p: r.summary() for p, r in real.items()},
-            "simulated": {p: {**r.summary(), "layers": _layers(r, items)} for p, r in sim.items()}}
+            "simulated": {p: {**r.summary(), "layers": _layers(r, requests, block_size)}
+                          for p, r in sim.items()}}
 
 
-def _layers(result: PolicyResult, items: int) -> dict[str, float]:
-    """The simulator's hit ratios in the real run's terms: its encoder layer counts only
+def _layers(result: PolicyResult, requests: Sequence[Request], block_size: int) -> dict[str, float]:
+    """The simulator's hit ratios in the real run's terms. Its encoder layer counts only
     the items whose tokens were computed (an item inside a prefix hit is never looked up),
-    the real one every item of every request (1 - encodings / items)."""
+    the real one every item of every request (1 - encodings / items). Its prefix layer
+    counts whole blocks (a prompt's last, partial block is never looked up), vLLM's
+    counters tokens of the whole prompt (hit blocks x block size / prompt tokens here)."""
     ratios = {name: layer.hit_ratio for name, layer in result.layers.items()}
+    items = sum(len(r.items) for r in requests)
     encoder = result.layers["encoder"]
     ratios["encoder"] = 1 - (encoder.lookups - encoder.hits) / items if items else 0.0
     ratios["encoder_computed_only"] = encoder.hit_ratio
+    prompt = sum(r.prompt_tokens for r in requests)
+    ratios["prefix"] = result.layers["prefix"].hits * block_size / prompt if prompt else 0.0
+    ratios["prefix_blocks"] = result.layers["prefix"].hit_ratio
     return ratios
 
 
@@ -531,6 +572,9 @@ def fleet_real_figures(quick: bool, scale: float | None) -> list[Figure]:
     and recall beside the simulator's."""
     trace = FleetTrace(requests=40 if scale else 80 if quick else 150)
     doc = asyncio.run(run_fleet(trace, GATEWAY_POLICIES, python=_default_python(), model=_default_model()))
+    if scale is None:  # the whole document beside the rows: docs/simulation.md's tables
+        out = REPO / "bench" / ("fleet_real_quick.json" if quick else "fleet_real.json")
+        out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     return figures_of(doc, trace)
 
 
@@ -538,9 +582,10 @@ def figures_of(doc: Mapping[str, Any], trace: FleetTrace) -> list[Figure]:
     """Rows of a :func:`run_fleet` document."""
     shape = doc["trace"]
     note = (f"{shape['requests']} requests ({shape['items']} items, {shape['distinct_items']} distinct, "
-            f"{shape['conversations']} conversations) at {trace.rate:g}/s, seed {trace.seed}, 2 vLLM "
-            f"{'cpu'} servers (tiny Qwen2-VL, max_num_seqs {trace.max_num_seqs}, encoder cache "
-            f"{trace.max_num_batched_tokens} embeddings); control: the simulator on the same requests")
+            f"{shape['conversations']} conversations) at {trace.rate:g}/s, seed {trace.seed}, "
+            f"{trace.servers} vLLM CPU servers (tiny Qwen2-VL, max_num_seqs {trace.max_num_seqs}, "
+            f"encoder cache {trace.max_num_batched_tokens} embeddings); control: the simulator on the same "
+            "requests (bench/fleet_real.json has the command)")
     rows: list[Figure] = []
     base_real = doc["real"].get("round-robin", {})
     base_sim = doc["simulated"].get("round-robin", {})

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from stream.bench.fleet_real import FleetTrace, chat_body, png_data_url
+from stream.bench.fleet_real import FleetTrace, chat_body, png_data_url, predicted, simulate_argv
 from stream.core.items import extract_items, media_hash
 from stream.gateway.gateway import Gateway, name_items, scraped_load
 from stream.sim.workload import generate
@@ -90,3 +90,10 @@ def test_answers_are_assistant_turns_of_the_conversation() -> None:
     assert roles[0] == "system"
     assert roles.count("assistant") == later.turn
     assert roles[-1] == "user"
+
+
+def test_the_simulate_command_of_the_fleet_bench_draws_the_real_runs_requests() -> None:
+    trace = FleetTrace(requests=50)
+    results, requests = predicted(simulate_argv(trace, 8192, 128, ["round-robin", "index-bounded"]))
+    assert requests == generate(trace.workload())
+    assert set(results) == {"round-robin", "index-bounded"}
