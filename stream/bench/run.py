@@ -125,6 +125,13 @@ def _fleet_real(bootstrap: str, quick: bool, scale: float | None) -> list[Figure
     return fleet_real_figures(quick, scale)  # real vLLM servers and serves of its own
 
 
+def _vllm_plugin(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.vllm_plugin import vllm_plugin_figures
+
+    # a real vLLM of the e2e environment, with serve on its own embedded broker
+    return vllm_plugin_figures(1 if quick or scale else 3, 20 if quick or scale else 100)
+
+
 SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match": _match,
     "freshness": _freshness,
@@ -139,10 +146,11 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "soak": _soak,
     "idle": _idle,
     "match_embedded": _match_embedded,
+    "vllm_plugin": _vllm_plugin,
     "fleet_real": _fleet_real,
 }
-# run only when named (``--only``): they need what `make e2e` builds (vLLM, the tiny model)
-NAMED_ONLY = frozenset({"fleet_real"})
+# run only when named with --only: they need `make e2e`'s environment (a real vLLM)
+ON_REQUEST = frozenset({"vllm_plugin", "fleet_real"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],
@@ -182,7 +190,7 @@ def run(out: Path, quick: bool = False, only: list[str] | None = None,
     """
     if quick:
         refuse_quick_over_full(out)
-    names = only or [name for name in SCENARIOS if name not in NAMED_ONLY]
+    names = only or [name for name in SCENARIOS if name not in ON_REQUEST]
     figures: list[Figure] = []
     broker = None if bootstrap else EmbeddedBroker().start()
     try:
