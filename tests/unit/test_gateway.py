@@ -10,7 +10,8 @@ import struct
 
 import pytest
 
-from stream.bench.fleet_real import FleetTrace, chat_body, png_data_url, predicted, simulate_argv
+from stream.bench.fleet_real import predicted
+from stream.bench.fleet_trace import FleetTrace, chat_body, png_data_url, simulate_argv
 from stream.core.items import extract_items, media_hash
 from stream.gateway.gateway import Gateway, name_items, scraped_load
 from stream.sim.workload import generate
