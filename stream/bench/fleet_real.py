@@ -94,7 +94,7 @@ def fleet_real_figures(quick: bool, scale: float | None) -> list[Figure]:
 
 
 def figures_of(doc: Mapping[str, Any], trace: FleetTrace) -> list[Figure]:
-    """Rows of a :func:`run_fleet` document."""
+    """Rows of a :func:`prediction` document."""
     shape = doc["trace"]
     note = (f"{shape['requests']} requests ({shape['items']} items, {shape['distinct_items']} distinct, "
             f"{shape['conversations']} conversations) at {trace.rate:g}/s, seed {trace.seed}, "

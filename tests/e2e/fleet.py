@@ -34,7 +34,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class EngineEventTap:
         self.stored: dict[str, int] = {}
         self.forward_failures = 0
         self.last_report = 0.0  # time.monotonic() of the last report
+        self.cleared: dict[str, int] = {}  # cleared events per server (a reset, a start, a resync)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -99,6 +100,8 @@ class EngineEventTap:
         for event in report["events"]:
             if event["type"] == "stored":
                 self.stored[endpoint] = self.stored.get(endpoint, 0) + len(event["items"])
+            elif event["type"] == "cleared":
+                self.cleared[endpoint] = self.cleared.get(endpoint, 0) + 1
         if self.target is None:
             return web.json_response({"events": len(report["events"])}, status=202)
         assert self._session is not None
@@ -129,6 +132,7 @@ class RealResult:
     checks: dict[str, float] = field(default_factory=dict)
     routed: dict[str, int] = field(default_factory=dict)
     match_failures: int = 0
+    resyncs: int = 0
 
     def ratio(self, layer: str) -> float:
         """The layer's real hit ratio."""
@@ -156,6 +160,7 @@ class RealResult:
                 "ttft_p50_s": _percentile(self.ttft_s, 0.5), "ttft_p90_s": _percentile(self.ttft_s, 0.9),
                 "precision": self.precision, "recall": self.recall, "requests": self.requests,
                 "failed": self.failed, "routed": self.routed, "match_failures": self.match_failures,
+                "resyncs": self.resyncs,
                 "checks": self.checks,
                 "encoder": {"lookups": self.encoder_lookups, "misses": self.encoder_misses}}
 
@@ -240,7 +245,11 @@ async def run_policy(policy: str, requests: Sequence[Request], bodies: Sequence[
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             tap.target = serve.url
+            cleared = dict(tap.cleared)
             await _reset(session, servers)
+            # each plugin reports its reset (cleared) to this serve before any request
+            await _until(lambda: all(tap.cleared.get(name, 0) > cleared.get(name, 0) for name in servers))
+            cleared = dict(tap.cleared)
             before = await _counters(session, servers)
             stored_before = sum(tap.stored.values())
             gateway = Gateway(servers, serve.url, policy, scrape_s=trace.scrape_s, match_timeout_s=1.0,
@@ -270,11 +279,23 @@ async def run_policy(policy: str, requests: Sequence[Request], bodies: Sequence[
             after = await _counters(session, servers)
             result.counters = {name: after[name] - before[name] for name in _COUNTERS}
             result.encoder_misses = sum(tap.stored.values()) - stored_before
+            # a resync (after a report was lost) sends cleared and then everything held
+            # as stored again: the misses above would count it
+            result.resyncs = sum(tap.cleared.values()) - sum(cleared.values())
             result.checks = _checks(await _get(session, f"{serve.url}/metrics"))
     finally:
         tap.target = None
         await asyncio.to_thread(serve.stop)
     return result
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Polls ``condition`` (a bound on what it is about: a plugin reports every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s")
+        await asyncio.sleep(0.1)
 
 
 async def _settled(tap: EngineEventTap) -> None:
