@@ -47,7 +47,7 @@ class FleetTrace:
     requests: int = 150
     rate: float = 2.0
     seed: int = 1
-    catalogue: int = 60
+    catalogue: int = 80
     conversation_share: float = 0.3
     turns: tuple[int, int] = (2, 4)
     think_s: float = 4.0
@@ -55,7 +55,7 @@ class FleetTrace:
     system_tokens: int = 300
     text_tokens: tuple[int, int] = (10, 60)
     output_tokens: int = 8
-    sizes: SizeMix = SizeMix(small=16, large=(40, 64), video=(1, 1), large_share=0.7, video_share=0.0)
+    sizes: SizeMix = SizeMix(small=16, large=(48, 64), video=(1, 1), large_share=0.8, video_share=0.0)
     servers: int = 2
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 2048
