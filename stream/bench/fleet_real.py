@@ -127,3 +127,34 @@ def figures_of(doc: Mapping[str, Any], trace: FleetTrace) -> list[Figure]:
                                    None if sim[key] is None else round(sim[key], 3), None,
                                    note + f"; checks {real['checks']}"))
     return rows
+
+
+def tables(doc: Mapping[str, Any]) -> str:
+    """The real figures and the simulator's, one Markdown table each (docs/simulation.md);
+    the real one says how many requests the gateway sent to each server."""
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    out = []
+    for key in ("real", "simulated"):
+        head = f"| {key} | encoder | processor | prefix | TTFT p50 s | TTFT p90 s | precision | recall |"
+        lines = [head + (" requests per server |" if key == "real" else ""),
+                 "|---" * (9 if key == "real" else 8) + "|"]
+        for policy, figures in doc[key].items():
+            layers = figures["layers"]
+            cells = [f"{layers[layer]:.3f}" for layer in ("encoder", "processor", "prefix")]
+            cells += [f"{figures['ttft_p50_s']:.3f}", f"{figures['ttft_p90_s']:.3f}",
+                      ratio(figures["precision"]), ratio(figures["recall"])]
+            row = f"| {policy} | " + " | ".join(cells) + " |"
+            if key == "real":
+                row += " " + " / ".join(str(n) for n in figures["routed"].values()) + " |"
+            lines.append(row)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+if __name__ == "__main__":  # python -m stream.bench.fleet_real [bench/fleet_real.json]: the tables
+    import sys
+
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "bench" / "fleet_real.json"
+    print(tables(orjson.loads(path.read_bytes())))
