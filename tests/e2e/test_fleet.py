@@ -29,9 +29,13 @@ def test_index_bounded_saves_encoder_work_over_round_robin_and_its_estimate_agre
         assert real[policy]["requests"] == REQUESTS
         assert real[policy]["resyncs"] == 0  # no report lost: the encoder misses are allocations only
     round_robin, bounded = real["round-robin"], real["index-bounded"]
-    # the same items, fewer encodings: the index sends an image back where it was encoded
+    # the same items, fewer encodings: the index sends an image back where it was encoded.
+    # Each distinct image is encoded at least once; the repeats encoded again are what a
+    # policy loses. On this trace the simulator has round-robin encode 11 repeats again and
+    # index-bounded 2 (least-loaded, blind to items: 11); the claim is at most half.
     assert bounded["encoder"]["lookups"] == round_robin["encoder"]["lookups"] == trace["items"]
-    assert bounded["encoder"]["misses"] < round_robin["encoder"]["misses"]
+    again = {policy: real[policy]["encoder"]["misses"] - trace["distinct_items"] for policy in real}
+    assert 2 * again["index-bounded"] <= again["round-robin"], again
     assert bounded["layers"]["processor"] > round_robin["layers"]["processor"]
     # the closed loop: the engines reported (checks were counted), and the estimate the
     # gateway routed on named what they held
