@@ -138,6 +138,12 @@ def _soak(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     return soak_figures(quick, scale)  # on serve's own embedded broker, whatever ``bootstrap``
 
 
+def _fleet_real(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
+    from stream.bench.fleet_real import fleet_real_figures
+
+    return fleet_real_figures(quick, scale)  # real vLLM servers and serves of its own
+
+
 def _vllm_plugin(bootstrap: str, quick: bool, scale: float | None) -> list[Figure]:
     from stream.bench.vllm_plugin import vllm_plugin_figures
 
@@ -171,11 +177,13 @@ SCENARIOS: dict[str, Callable[[str, bool, float | None], list[Figure]]] = {
     "match_embedded": _match_embedded,
     "vllm_plugin": _vllm_plugin,
     "scheduler_differential": _scheduler_differential,
+    "fleet_real": _fleet_real,
 }
 #: Scenarios that need `make e2e`'s environment (torch and a real vLLM), not the project's
 #: own: they run only when named with ``--only``; they start no broker of the bench's (the
-#: plugin's serve has its own embedded one, the scheduler differential needs none).
-VLLM_SCENARIOS = frozenset({"vllm_plugin", "scheduler_differential"})
+#: plugin's serve has its own embedded one, the scheduler differential needs none, the real
+#: fleet starts its own serves).
+VLLM_SCENARIOS = frozenset({"vllm_plugin", "scheduler_differential", "fleet_real"})
 
 
 def _merged(out: Path, rows: list[dict[str, object]], meta: dict[str, object], only: list[str],

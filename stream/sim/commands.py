@@ -34,7 +34,7 @@ from stream.sim.tune import (
     TuneReport,
     TuneRow,
 )
-from stream.sim.workload import Request, WorkloadSpec, generate, requests_from_trace
+from stream.sim.workload import Request, SizeMix, WorkloadSpec, generate, requests_from_trace
 
 __all__ = ["SimulationRun", "add_commands", "format_simulation", "format_tune", "run_simulation",
            "tune_document"]
@@ -162,6 +162,18 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.add_argument("--output-tokens", type=int, default=spec.output_tokens, help="mean tokens per answer")
     sim.add_argument("--burst", type=int, default=spec.burst,
                      help="sessions that all start at 0, as a benchmark client starting its users at once")
+    sim.add_argument("--turns", type=_pair, default=spec.turns,
+                     help="fewest,most turns of a conversation (uniform)")
+    sim.add_argument("--text-tokens", type=_pair, default=spec.text_tokens,
+                     help="fewest,most tokens of each user text (uniform)")
+    sim.add_argument("--small-embeddings", type=int, default=spec.sizes.small,
+                     help="embeddings of a small image")
+    sim.add_argument("--large-embeddings", type=_pair, default=spec.sizes.large,
+                     help="fewest,most embeddings of a large image (uniform)")
+    sim.add_argument("--large-share", type=float, default=spec.sizes.large_share,
+                     help="share of items that are large images")
+    sim.add_argument("--video-share", type=float, default=spec.sizes.video_share,
+                     help="share of items that are video clips (the rest: small images)")
     sim.add_argument("--trace", type=Path, default=None,
                      help="replay recorded placements (the JSON lines of 'mmcache export') instead of "
                      "the synthetic workload; their timestamps give the arrivals")
@@ -173,6 +185,17 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:  # type: ignore
     sim.set_defaults(run=_simulate)
 
 
+def _pair(text: str) -> tuple[int, int]:
+    """``LOW,HIGH`` as two integers, 1 <= LOW <= HIGH."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two integers as LOW,HIGH") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
+    return low, high
+
+
 def _check(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -182,6 +205,10 @@ def _check(args: argparse.Namespace) -> list[str]:
                  "max_num_seqs", "kv_blocks", "block_size", "render_replicas", "runs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"simulate: --{flag.replace('_', '-')} must be at least 1")
+    if not (0 <= args.large_share and 0 <= args.video_share and args.large_share + args.video_share <= 1):
+        raise SystemExit("simulate: --large-share and --video-share must be shares, at most 1 together")
+    if args.small_embeddings < 1:
+        raise SystemExit("simulate: --small-embeddings must be at least 1")
     if args.rate is not None and args.rate <= 0 or args.load <= 0 or args.render_rate <= 0:
         raise SystemExit("simulate: --rate, --load and --render-rate must be positive")
     return policies
@@ -213,7 +240,10 @@ def _workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
         requests=args.requests, catalogue=args.catalogue, zipf=args.zipf, min_items=args.min_items,
         max_items=args.max_items, fresh_share=args.fresh_share, item_first_share=args.item_first_share,
         conversation_share=args.conversation_share, think_s=args.think_s, system_tokens=args.system_tokens,
-        output_tokens=args.output_tokens, burst=args.burst, replicas=args.replicas, seed=seed)
+        output_tokens=args.output_tokens, burst=args.burst, replicas=args.replicas, turns=args.turns,
+        text_tokens=args.text_tokens, seed=seed,
+        sizes=SizeMix(small=args.small_embeddings, large=args.large_embeddings,
+                      large_share=args.large_share, video_share=args.video_share))
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,6 @@ Pure and deterministic: simulated time only, every random draw from a seeded gen
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
+from stream.core.picking import PickRule, least_loaded, pick, totals
 from stream.percentiles import percentile
 from stream.sim.engine import Costs, Engine, EngineConfig, PromptRequest
 from stream.sim.workload import Request
@@ -260,6 +260,8 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
     bounded = policy == "index-bounded"
     first_pick = fleet.tie_break == "first" and policy in ("index", "index-size", "per-replica")
     counts_inflight = policy in ("least-loaded", "oracle", "index-bounded")
+    rule = PickRule(fleet.cache_weight, fleet.load_weight, fleet.bound_factor if bounded else None,
+                    fleet.bound_slack)
     indexes: list[_Index] = []
     if policy in ("index", "per-replica"):
         indexes = [_Index(Capacity("items", fleet.index_items))
@@ -309,17 +311,6 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
         mine = routed[replica]
         return [s + r for s, r in zip(scraped, mine, strict=True)]
 
-    def load_terms(loads: list[int]) -> list[float]:
-        low, high = min(loads), max(loads)
-        spread = high - low
-        weight = fleet.load_weight
-        return [weight if spread == 0 else weight * (high - load) / spread for load in loads]
-
-    def pick(totals: list[float], first: bool) -> int:
-        top = max(totals)
-        tied = [i for i, total in enumerate(totals) if total >= top - 1e-12]
-        return tied[0] if first or len(tied) == 1 else tied[rng.randrange(len(tied))]
-
     def choose(request: Request, now: float, with_items: bool) -> int:
         replica = request.replica
         if policy == "random":
@@ -329,20 +320,14 @@ def simulate(requests: Sequence[Request], fleet: FleetSpec, policy: str, seed: i
             return (turn[replica] - 1) % count
         loads = view(replica, counts_inflight)
         if policy == "least-loaded" or not with_items or not request.items:
-            return pick([-float(load) for load in loads], False)
+            return least_loaded(loads, rng)
         if policy == "oracle":
             total = request.embeddings
             scores = [sum(item.size for item in request.items if engine.holds(item.hash)) / total
                       for engine in engines]
         else:
             scores = indexes[replica % len(indexes)].scores(request.items, names)
-        weight = fleet.cache_weight
-        totals = [weight * score + term for score, term in zip(scores, load_terms(loads), strict=True)]
-        if bounded:
-            limit = max(min(loads) + fleet.bound_slack, fleet.bound_factor * sum(loads) / count)
-            totals = [total if load <= limit else -math.inf
-                      for total, load in zip(totals, loads, strict=True)]
-        return pick(totals, first_pick)
+        return pick(totals(rule, scores, loads), None if first_pick else rng)
 
     def route(request: Request, now: float, with_items: bool) -> None:
         nonlocal routings

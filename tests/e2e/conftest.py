@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,8 @@ def wait_until_up(process: subprocess.Popen[bytes], probe: Callable[[], bool], l
 class Serve:
     """``mmcache serve`` on its embedded broker, from the project's own environment."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, flags: Sequence[str] = ()) -> None:
+        self.flags = list(flags)  # more of serve's flags, e.g. --match-source estimate
         self.data_dir = root / "data"
         self.log_path = root / "serve.log"
         self.port = free_port()
@@ -102,7 +103,7 @@ class Serve:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [SERVE_PYTHON, "-m", "stream.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--data-dir", str(self.data_dir)],
+                 "--data-dir", str(self.data_dir), *self.flags],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": str(REPO)})
         wait_until_up(self.process, lambda: http("GET", self.url + "/readyz", timeout=5)[0] == 200, self.log_path)
         return self

@@ -14,7 +14,7 @@ STREAM = Path(__file__).resolve().parents[2] / "stream"
 # The rooms, lowest first: each may import only the rooms before it. Loose modules
 # (config, metrics, logs, event_loop, compiled, internals, percentiles) serve every room and import
 # only the core.
-ROOMS = ["core", "kafka", "state", "http", "worker", "sim", "bench", "serve", "cli"]
+ROOMS = ["core", "kafka", "state", "http", "worker", "sim", "gateway", "bench", "serve", "cli"]
 # What the pure core must never import (nor any module of theirs).
 OUTSIDE = ("aiokafka", "faust", "mode", "rocksdict", "aiohttp", "asyncio", "socket", "subprocess",
            "threading", "prometheus_client", "uvicorn", "granian", "httptools")

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from stream.core.items import Item
-from stream.sim.commands import add_commands
+from stream.sim.commands import add_commands, run_simulation
 from stream.sim.engine import Segment
 from stream.sim.fleet import LAYERS, POLICIES, FleetSpec, simulate
 from stream.sim.workload import Request, WorkloadSpec, generate, item_segment
@@ -266,3 +266,37 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
         if name in getattr(action, "choices", {}):
             return action.choices[name]
     raise KeyError(name)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--turns", "4,2"], "need 1 <= LOW <= HIGH"),
+    (["--text-tokens", "10"], "give two integers as LOW,HIGH"),
+    (["--large-embeddings", "0,5"], "need 1 <= LOW <= HIGH"),
+])
+def test_a_range_flag_that_is_not_a_range_is_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["simulate", *flags])
+    err = capsys.readouterr().err
+    assert flags[0] in err and message in err
+
+
+def test_item_shares_over_one_are_refused_before_anything_runs(capsys):
+    args = _parser().parse_args(["simulate", *_QUICK, "--large-share", "0.9", "--video-share", "0.2"])
+    with pytest.raises(SystemExit, match="--large-share and --video-share must be shares"):
+        args.run(args)
+    assert capsys.readouterr().out == ""
+
+
+def test_the_workload_flags_shape_the_requests():
+    args = _parser().parse_args(["simulate", *_QUICK, "--small-embeddings", "16", "--large-embeddings", "40,64",
+                                 "--large-share", "0.5", "--video-share", "0", "--text-tokens", "5,9",
+                                 "--turns", "2,2", "--conversation-share", "0.5", "--policies", "round-robin"])
+    placed: list = []
+    run_simulation(args, placed=placed)
+    requests = [request for _, request in placed]
+    sizes = {item.size for request in requests for item in request.items}
+    assert sizes <= {16, *range(40, 65)} and 16 in sizes and sizes - {16}
+    assert {item.modality for request in requests for item in request.items} == {"image"}
+    texts = [s.tokens for r in requests for s in r.segments if not s.embeddings and "/q" in s.key]
+    assert texts and all(5 <= tokens <= 9 for tokens in texts)
+    assert {r.turn for r in requests if r.conversation >= 0} == {0, 1}
