@@ -193,8 +193,8 @@ def scan(data: bytes | mmap.mmap, values: Callable[[bytes | None], bool] = lambd
             length, crc, offset, timestamp, _, key_length = head(data, at)
             body = at + _FRAME.size
             end = body + length
-            if end > size or crc32(view[body:end]) != crc:
-                break
+            if length < _MIN_BODY or end > size or crc32(view[body:end]) != crc:
+                break  # zeros too: a length of 0 and the CRC of nothing, 0, are no frame
             cursor = at + _HEAD.size
             key = None if key_length < 0 else bytes(view[cursor:cursor + key_length])
             if key_length > 0:
@@ -233,15 +233,27 @@ def _is_whole_frame(data: bytes | mmap.mmap, at: int) -> bool:
 def _next_whole_frame(data: bytes | mmap.mmap, bad: int) -> int | None:
     """Where the first whole frame after the bad one at ``bad`` starts, if any: where its
     own length says it ends first (a damaged body), then at every byte (a damaged length).
-    A kill's torn tail is a part of one frame, so this reads only that part."""
+    A kill's torn tail is a part of one frame, so this reads only that part. Runs of zeros
+    (what a filesystem leaves of a write a crash cut) are passed over whole: a frame's
+    4-byte length is at least ``_MIN_BODY``, so one of those bytes is not zero."""
     length = _FRAME.unpack_from(data, bad)[0] if bad + _FRAME.size <= len(data) else -1
     claimed = bad + _FRAME.size + length
     if length >= 0 and _is_whole_frame(data, claimed):
         return claimed
-    for at in range(bad + 1, len(data) - _HEAD.size + 1):
-        if _is_whole_frame(data, at):
-            return at
+    at, last = bad + 1, len(data) - _HEAD.size
+    while at <= last:
+        found = _NONZERO.search(data, at)
+        if found is None:
+            return None
+        nonzero = found.start()
+        for start in range(max(at, nonzero - _LENGTH.size + 1), min(nonzero, last) + 1):
+            if _is_whole_frame(data, start):
+                return start
+        at = nonzero + 1
     return None
+
+
+_NONZERO = re.compile(rb"[^\x00]")
 
 
 @contextlib.contextmanager

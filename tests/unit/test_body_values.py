@@ -43,7 +43,7 @@ def test_every_route_refuses_a_body_over_max_body_values_with_a_413_naming_it(ro
     with pytest.raises(ApiError) as refused:
         READERS[route](raw, LIMITS)
     assert (refused.value.status, refused.value.code) == (413, "body_too_large")
-    assert "at most 1,000 (max_body_values)" in refused.value.message
+    assert "more than 1,000 JSON values (max_body_values)" in refused.value.message
 
 
 @pytest.mark.parametrize("route", sorted(READERS))
@@ -53,6 +53,34 @@ def test_a_body_of_max_body_values_is_not_refused_for_its_values(route: str) -> 
         READERS[route](raw, LIMITS)
     except ApiError as exc:  # the body may be refused for its shape, never for its values
         assert exc.code != "body_too_large", exc.message
+
+
+def test_separators_inside_strings_are_no_values() -> None:
+    """A long prompt (a pasted CSV: a separator every few bytes) is one value."""
+    text = "a,b:c[d{e, " * 2000 + 'quoted \\"x, y\\" and a backslash \\\\'
+    body = ('{"endpoints":["default/pod-a"],"body":{"chat_completions":{"messages":[{"role":"user",'
+            '"content":"' + text + '"}]}}}').encode()
+    assert body.count(b",") > 1000
+    query = READERS["match_query"](body, LIMITS)
+    assert query.endpoints == ["default/pod-a"]
+
+
+def test_more_strings_than_the_limit_are_refused_without_taking_them_out() -> None:
+    raw = b"[" + b",".join([b'""'] * 1001) + b"]"
+    with pytest.raises(ApiError) as refused:
+        check_values(raw, LIMITS)
+    assert refused.value.code == "body_too_large"
+
+
+def test_an_unterminated_string_full_of_escapes_is_counted_in_one_pass() -> None:
+    """Each escaped quote would start a string again if the pattern could fail: 200,000 of
+    them would then be ~10^10 steps. Not refused for its values (it is one string); its
+    parse refuses it."""
+    raw = b'["' + b'\\",' * 200_000
+    check_values(raw, Limits(max_body_values=1000))
+    with pytest.raises(ApiError) as refused:
+        READERS["placement"](raw, Limits(max_body_values=1000))
+    assert refused.value.code == "invalid_json"
 
 
 def test_the_values_are_refused_before_any_parse() -> None:

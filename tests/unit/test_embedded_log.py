@@ -67,6 +67,32 @@ def test_a_damaged_last_frame_is_a_torn_tail_and_left_out(where):
     assert read_frames(frames[0] + frames[1] + bytes(broken)) == (RECORDS[:2], len(frames[0] + frames[1]))
 
 
+@pytest.mark.parametrize("zeros", [1, 8, 29, 33, 4096])
+def test_a_tail_of_zeros_is_a_torn_tail_and_left_out(zeros):
+    """A filesystem after a crash often leaves zeros where a write was under way: eight zero
+    bytes read as a frame of length 0 whose CRC (of nothing) is 0; they are no record."""
+    whole = b"".join(encode_frame(r) for r in RECORDS)
+    assert read_frames(whole + bytes(zeros)) == (RECORDS, len(whole))
+    frames, length = scan(whole + bytes(zeros))
+    assert (len(frames), length) == (3, len(whole))
+
+
+def test_a_zeroed_block_with_whole_frames_after_it_is_refused():
+    frames = [encode_frame(r) for r in RECORDS]
+    data = frames[0] + bytes(4096) + frames[1] + frames[2]
+    with pytest.raises(CorruptLog) as refused:
+        read_frames(data)
+    assert (refused.value.at, refused.value.following, refused.value.next_offset) == (
+        len(frames[0]), len(frames[0]) + 4096, 1)
+
+
+def test_a_long_tail_of_zeros_is_passed_over_a_run_at_a_time():
+    """64 MiB of zeros after the last record (a preallocated or zero-filled file) is cut
+    without trying every byte as a frame's start."""
+    whole = b"".join(encode_frame(r) for r in RECORDS)
+    assert read_frames(whole + bytes(64 * 2**20))[1] == len(whole)
+
+
 def _one_partition(tmp_path, topic: str = "app-events") -> EmbeddedLog:
     files = EmbeddedLog(tmp_path / "log")
     files.create("mmcache-embedded-tansu-0123456789abcdef")
