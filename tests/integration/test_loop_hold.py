@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from stream.config import Limits
 from tests.integration.conftest import Service, eventually
 
 # Timed against a bound of 50 ms: run alone, after the parallel part of `make test`.
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.alone]
 PROBE_BOUND_S = 0.050
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
+VALUES = Limits().max_body_values
 
 SMALL_MATCH = json.dumps({"endpoints": ["ns/a"], "body": {"messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": "https://x/1.png"}}]}]}}).encode()
@@ -150,16 +152,18 @@ def test_the_largest_bodies_within_the_limits_leave_the_loop_free(served, tmp_pa
         return {"endpoints": ["ns/a"], "body": {"messages": [{"role": "user", "content": blocks}]}}
 
     bodies = {
-        # the body: 300,000 image blocks (extraction stops at item 1,025)
+        # as many image blocks as max_body_values lets in (7 separators a block: ~37,000;
+        # extraction stops at item 1,025)
         "images": write(tmp_path / "images.json", chat(
-            [{"type": "image_url", "image_url": {"url": f"{i:06d}.png"}} for i in range(300_000)])),
+            [{"type": "image_url", "image_url": {"url": f"{i:06d}.png"}} for i in range(VALUES // 7 - 2)])),
         # one 16 MiB data: URL, hashed whole
         "data-url": write(tmp_path / "data-url.json", chat(
             [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * (16 * MIB - 200)}}])),
     }
-    # 5.5 million JSON values, the costliest parse that fits
+    # max_body_values JSON values, the costliest parse that fits
     empty = tmp_path / "empty.json"
-    empty.write_bytes(b'{"endpoints":["ns/a"],"body":{"messages":[' + b",".join([b"{}"] * 5_500_000) + b"]}}")
+    empty.write_bytes(b'{"endpoints":["ns/a"],"body":{"messages":[' + b",".join([b"{}"] * (VALUES // 2 - 8))
+                      + b"]}}")
     assert empty.stat().st_size <= 16 * MIB
     bodies["values"] = empty
 
