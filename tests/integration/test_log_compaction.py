@@ -156,7 +156,7 @@ def test_a_kill_9_during_a_rebase_loses_no_acknowledged_write(serves, tmp_path):
     # each endpoint got at most 500 placements: none evicted
     assert all(len(hashes) < 1024 for hashes in by_endpoint.values()) and not writers.unexpected
     eventually(lambda: all(sorted(_held(again, e, h)) == sorted(h) for e, h in by_endpoint.items()),
-               timeout=30)
+               timeout=READY_TIMEOUT_S)
 
 
 def _replayed_digest(data: Path, capacity_mb: int | None = None) -> str:
@@ -191,7 +191,7 @@ def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(se
 
     again = serves(data, *small)
     assert "embedded broker's log compacted" in again.log()
-    eventually(lambda: again.settled_digest() == digest, timeout=30)
+    eventually(lambda: again.settled_digest() == digest, timeout=READY_TIMEOUT_S)
     compacted = _records(kept, "mmcache-lru-changelog")
     # at most one record a key (6 x 10 entries, an applied record and a view key a partition)
     assert compacted < written and compacted <= 6 * 10 + 2 * PARTITIONS
@@ -201,11 +201,11 @@ def test_a_restart_compacts_the_changelog_and_keeps_every_entry_and_the_state(se
         assert sorted(_held(again, endpoint, hashes)) == sorted(hashes)
     # a write after the restart lands after the kept offsets, and a kill keeps it too
     _place(again, endpoints[0], "h-after")
-    eventually(lambda: _held(again, endpoints[0], ["h-after"]) == ["h-after"], timeout=30)
+    eventually(lambda: _held(again, endpoints[0], ["h-after"]) == ["h-after"], timeout=READY_TIMEOUT_S)
     again.stop(signal.SIGKILL)
     after = _replayed_digest(data, 20)
     third = serves(data, *small)
-    eventually(lambda: third.settled_digest() == after, timeout=30)
+    eventually(lambda: third.settled_digest() == after, timeout=READY_TIMEOUT_S)
 
 
 def test_retention_drops_old_events_from_disk_and_the_state_stays(serves, tmp_path):  # noqa: F811
@@ -220,7 +220,7 @@ def test_retention_drops_old_events_from_disk_and_the_state_stays(serves, tmp_pa
 
     # a retention of one byte keeps the last event of each partition (its end offset)
     again = serves(data, env={"MMCACHE_EMBEDDED_RETENTION_BYTES": "1"})
-    eventually(lambda: again.settled_digest() == digest, timeout=30)
+    eventually(lambda: again.settled_digest() == digest, timeout=READY_TIMEOUT_S)
     written = [p for p in range(PARTITIONS) if kept.records("mmcache-events", p)]
     assert _records(kept, "mmcache-events") == len(written)
     for i in range(4):
@@ -333,7 +333,7 @@ def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(ser
     def held_all(target: Serve) -> bool:
         return all(sorted(_held(target, e, hashes)) == hashes for e, hashes in expected.items())
 
-    eventually(lambda: held_all(service), timeout=30)
+    eventually(lambda: held_all(service), timeout=READY_TIMEOUT_S)
     metrics = _metrics(service)
     assert metrics["mmcache_embedded_rebases_total"] >= 2
     assert metrics["mmcache_embedded_rebase_in_progress"] in (0, 1)
@@ -341,7 +341,7 @@ def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(ser
     assert 0 <= metrics["mmcache_embedded_log_appended_bytes"]
     service.stop(signal.SIGKILL)
     again = serves(data, "--cache-size-mb-per-server", "20")
-    eventually(lambda: held_all(again), timeout=30)
+    eventually(lambda: held_all(again), timeout=READY_TIMEOUT_S)
     # the kept events fold to the live state (the retention kept them all)
     digest = _replayed_digest(data, 20)
-    eventually(lambda: again.settled_digest() == digest, timeout=30)
+    eventually(lambda: again.settled_digest() == digest, timeout=READY_TIMEOUT_S)
