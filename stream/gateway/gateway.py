@@ -21,8 +21,8 @@ from its ``/metrics``, scraped every ``scrape_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,12 +83,39 @@ def _reference(kind: str, value: Any) -> str | None:
 
 
 def scraped_load(metrics: str) -> int:
-    """Requests running plus waiting, summed over the lines of vLLM's ``/metrics``."""
-    total = 0.0
+    """Requests running plus waiting, summed over the lines of vLLM's ``/metrics``.
+
+    A load line the reader cannot use (no value, a value that is not a finite number) is
+    skipped; a timestamp after the value is ignored. Raises ``ValueError`` when the text has
+    no load line at all: a page that is not vLLM's metrics, which must not read as idle."""
+    total, seen = 0.0, False
     for line in metrics.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] in _LOAD_METRICS:
-            total += float(line.rsplit(" ", 1)[1])
+        sample = _load_sample(line)
+        if sample is not None:
+            seen = True
+            total += sample
+    if not seen:
+        raise ValueError("no vllm:num_requests_running or vllm:num_requests_waiting line")
     return round(total)
+
+
+def _load_sample(line: str) -> float | None:
+    """The value of a load line (the field after the name and labels), or None."""
+    if "{" in line:
+        name, _, rest = line.partition("{")
+        labels_end = rest.rfind("}")
+        if labels_end < 0:
+            return None
+        fields = rest[labels_end + 1:].split()
+    else:
+        name, *fields = line.split() or [""]
+    if name.strip() not in _LOAD_METRICS or not fields:
+        return None
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 @dataclass(slots=True)
@@ -139,28 +166,45 @@ class Gateway:
         self._scraper = asyncio.create_task(self._scrape_forever())
 
     async def stop(self) -> None:
-        """Stops the scraper, waits for placements in flight, closes the session."""
-        if self._scraper is not None:
-            self._scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scraper
-        if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        """Stops the scraper, waits for placements in flight, closes the session; the session
+        is closed whatever the scraper or the placements ended with."""
+        try:
+            if self._scraper is not None:
+                self._scraper.cancel()
+                try:
+                    await self._scraper
+                except asyncio.CancelledError:
+                    pass
+                except Exception:
+                    log.exception("the gateway's scraper had ended")
+            if self._writes:
+                await asyncio.gather(*self._writes, return_exceptions=True)
+        finally:
+            if self._session is not None:
+                await self._session.close()
 
     async def _scrape(self) -> None:
+        """Scrapes every server at once, so one slow or hung server holds no other's load."""
+        await asyncio.gather(*(self._scrape_one(i) for i in range(len(self.names))))
+
+    async def _scrape_one(self, i: int) -> None:
+        """Server ``i``'s load, set as soon as it answers; on any failure (no answer, a status
+        other than 200, text that is not vLLM's metrics) the last load stays and the failure
+        is counted, and the scraper goes on."""
         assert self._session is not None
-        loads = list(self._scraped)
-        for i, name in enumerate(self.names):
-            try:
-                async with self._session.get(f"{self.urls[name]}/metrics",
-                                             timeout=aiohttp.ClientTimeout(total=5)) as response:
-                    loads[i] = scraped_load(await response.text())
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                self.counters.scrape_failures += 1
-        self._scraped = loads
-        self._since = [0] * len(self.names)
+        name = self.names[i]
+        try:
+            async with self._session.get(f"{self.urls[name]}/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as response:
+                if response.status != 200:
+                    raise ValueError(f"/metrics answered {response.status}")
+                load = scraped_load(await response.text())
+        except Exception as error:  # the scraper must outlive any one answer
+            self.counters.scrape_failures += 1
+            log.debug("scraping %s failed: %r", name, error)
+            return
+        self._scraped[i] = load
+        self._since[i] = 0
 
     async def _scrape_forever(self) -> None:
         while True:
