@@ -16,6 +16,11 @@ Per request, as docs/gateway.md recommends:
 
 The load of a server is ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``
 from its ``/metrics``, scraped every ``scrape_s``.
+
+Two client sessions: the forwarded completions on a pool without a limit (the gateway's own
+clients bound them; a limit would queue requests unseen, in front of the servers), and
+mmcache's calls and the scrapes on another, ``mmcache_connections`` per host, so neither a
+match (50 ms to answer) nor a scrape ever waits behind completions in flight.
 """
 
 from __future__ import annotations
@@ -131,11 +136,13 @@ class GatewayCounters:
 
 class Gateway:
     """Routes chat-completions requests over ``servers`` (endpoint name -> base URL) under
-    ``policy``; ``mmcache`` is the service's base URL (unused by ``round-robin``)."""
+    ``policy``; ``mmcache`` is the service's base URL (unused by ``round-robin``);
+    ``mmcache_connections`` bounds the connections to mmcache and to each server's metrics."""
 
     def __init__(self, servers: Mapping[str, str], mmcache: str, policy: str, *, token: str | None = None,
                  scrape_s: float = 0.5, match_timeout_s: float = 0.05, placement_timeout_s: float = 3.0,
-                 rule: PickRule = _PROFILE, bound_factor: float = 1.25, seed: int = 1) -> None:
+                 rule: PickRule = _PROFILE, bound_factor: float = 1.25, seed: int = 1,
+                 mmcache_connections: int = 32) -> None:
         if policy not in GATEWAY_POLICIES:
             raise ValueError(f"unknown policy {policy!r}: one of {', '.join(GATEWAY_POLICIES)}")
         if not servers:
@@ -155,19 +162,25 @@ class Gateway:
         self._scraped = [0] * len(self.names)
         self._since = [0] * len(self.names)  # routed since the last scrape
         self._turn = 0
-        self._session: aiohttp.ClientSession | None = None
+        self.mmcache_connections = mmcache_connections
+        self._session: aiohttp.ClientSession | None = None  # mmcache's calls and the scrapes
+        self._forwarding: aiohttp.ClientSession | None = None  # the completions
         self._scraper: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Opens the HTTP session and starts the scraper (after one scrape)."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        """Opens the HTTP sessions and starts the scraper (after one scrape)."""
+        self._forwarding = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.mmcache_connections),
+            timeout=aiohttp.ClientTimeout(total=None))
         await self._scrape()
         self._scraper = asyncio.create_task(self._scrape_forever())
 
     async def stop(self) -> None:
-        """Stops the scraper, waits for placements in flight, closes the session; the session
-        is closed whatever the scraper or the placements ended with."""
+        """Stops the scraper, waits for placements in flight, closes the sessions; they are
+        closed whatever the scraper or the placements ended with."""
         try:
             if self._scraper is not None:
                 self._scraper.cancel()
@@ -180,8 +193,9 @@ class Gateway:
             if self._writes:
                 await asyncio.gather(*self._writes, return_exceptions=True)
         finally:
-            if self._session is not None:
-                await self._session.close()
+            for session in (self._session, self._forwarding):
+                if session is not None:
+                    await session.close()
 
     async def _scrape(self) -> None:
         """Scrapes every server at once, so one slow or hung server holds no other's load."""
@@ -276,8 +290,8 @@ class Gateway:
                                      status=400)
         named = name_items(body)
         name = await self.choose(named)
-        assert self._session is not None
-        async with self._session.post(f"{self.urls[name]}/v1/chat/completions", data=orjson.dumps(named),
+        assert self._forwarding is not None
+        async with self._forwarding.post(f"{self.urls[name]}/v1/chat/completions", data=orjson.dumps(named),
                                       headers={"Content-Type": "application/json"}) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json"),

@@ -11,6 +11,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -146,9 +147,9 @@ def test_the_scraper_outlives_an_answer_it_cannot_read_and_stop_closes_the_sessi
             answers["now"] = (200, "vllm:num_requests_running 1\n")
             await asyncio.sleep(0.2)
             assert gateway._loads() == [1]
-            session = gateway._session
+            sessions = (gateway._session, gateway._forwarding)
             await gateway.stop()
-            assert session is not None and session.closed
+            assert all(session is not None and session.closed for session in sessions)
     asyncio.run(scene())
 
 
@@ -165,9 +166,9 @@ def test_stop_closes_the_session_though_the_scraper_ended_with_an_error() -> Non
                 raise RuntimeError("ended")
             gateway._scraper = asyncio.create_task(ended())
             await asyncio.sleep(0)
-            session = gateway._session
+            sessions = (gateway._session, gateway._forwarding)
             await gateway.stop()
-            assert session is not None and session.closed
+            assert all(session is not None and session.closed for session in sessions)
     asyncio.run(scene())
 
 
@@ -194,6 +195,66 @@ def test_one_hung_server_does_not_hold_the_others_loads() -> None:
                 await scrape
                 await gateway.stop()
             assert gateway._loads() == [2, 7]
+    asyncio.run(scene())
+
+
+_MATCHED = {"endpoints": [{"endpoint": "a", "score": 1.0}],
+            "request_items": [{"hash": "x", "size": 1, "modality": "image"}]}
+_IMAGE_BODY = {"model": "m", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "http://x/1.png"}}]}]}
+
+
+def test_completions_in_flight_past_aiohttps_default_pool_hold_neither_match_nor_scrape() -> None:
+    """aiohttp's default pool is 100 connections: 101 completions in flight must all reach
+    the server, and the next match and scrape must not wait behind them."""
+    in_flight = 101
+
+    async def scene() -> None:
+        arrived, release = 0, asyncio.Event()
+        all_arrived = asyncio.Event()
+
+        async def chat(_: web.Request) -> web.Response:
+            nonlocal arrived
+            arrived += 1
+            if arrived == in_flight:
+                all_arrived.set()
+            await release.wait()
+            return web.json_response({"ok": True})
+
+        async def match(_: web.Request) -> web.Response:
+            return web.json_response(_MATCHED)
+
+        async def placements(_: web.Request) -> web.Response:
+            return web.json_response({}, status=202)
+        answers = {"now": (200, "vllm:num_requests_running 0\n")}
+        async with (_server({"/metrics": _metrics(answers), "/v1/chat/completions": chat}) as vllm,
+                    _server({"/v1/match": match, "/v1/placements": placements}) as mmcache):
+            gateway = Gateway({"a": vllm}, mmcache, "index", scrape_s=3600, match_timeout_s=2.0)
+            runner = web.AppRunner(gateway.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+            try:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+                    async def one() -> int:
+                        async with client.post(url, json=_IMAGE_BODY) as response:
+                            await response.read()
+                            return response.status
+                    requests = [asyncio.create_task(one()) for _ in range(in_flight)]
+                    try:
+                        await asyncio.wait_for(all_arrived.wait(), 10)
+                        failures = gateway.counters.match_failures
+                        assert await gateway._match(_IMAGE_BODY) == ([1.0], _MATCHED["request_items"])
+                        assert gateway.counters.match_failures == failures == 0
+                        answers["now"] = (200, "vllm:num_requests_running 101\n")
+                        await asyncio.wait_for(gateway._scrape(), 2)
+                        assert gateway._loads() == [101]
+                    finally:
+                        release.set()
+                        assert await asyncio.gather(*requests) == [200] * in_flight
+            finally:
+                await runner.cleanup()
     asyncio.run(scene())
 
 
