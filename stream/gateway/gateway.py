@@ -230,12 +230,14 @@ class Gateway:
             return [s + r for s, r in zip(self._scraped, self._since, strict=True)]
         return list(self._scraped)
 
-    async def _match(self, body: dict[str, Any]) -> tuple[list[float], list[dict[str, Any]]]:
-        """Scores in ``names`` order and the request's items; zeros and no items on failure."""
+    async def _match(self, body: bytes) -> tuple[list[float], list[dict[str, Any]]]:
+        """Scores in ``names`` order and the request's items; zeros and no items on failure.
+        ``body`` is the encoded body, put in the match as it is (encoding it again inside the
+        match would add a level orjson may refuse)."""
         assert self._session is not None
+        match = b'{"endpoints":' + orjson.dumps(self.names) + b',"body":' + body + b"}"
         try:
-            async with self._session.post(f"{self.mmcache}/v1/match", headers=self.headers,
-                                          data=orjson.dumps({"endpoints": self.names, "body": body}),
+            async with self._session.post(f"{self.mmcache}/v1/match", headers=self.headers, data=match,
                                           timeout=self.match_timeout) as response:
                 if response.status != 200:
                     raise ValueError(f"match answered {response.status}")
@@ -257,8 +259,8 @@ class Gateway:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             self.counters.placement_failures += 1
 
-    async def choose(self, body: dict[str, Any]) -> str:
-        """The server for ``body`` (already named); records the placement off the path."""
+    async def choose(self, body: bytes) -> str:
+        """The server for ``body`` (already named, encoded); records the placement off the path."""
         if self.policy == "round-robin":
             chosen = self._turn % len(self.names)
             self._turn += 1
@@ -288,10 +290,14 @@ class Gateway:
         if not isinstance(body, dict):
             return web.json_response({"error": {"code": "invalid_request", "message": "body: not an object"}},
                                      status=400)
-        named = name_items(body)
+        try:
+            named = orjson.dumps(name_items(body))
+        except TypeError:  # orjson reads 1024 levels deep but writes no more than 254
+            return web.json_response(
+                {"error": {"code": "invalid_request", "message": "body: nested too deep"}}, status=400)
         name = await self.choose(named)
         assert self._forwarding is not None
-        async with self._forwarding.post(f"{self.urls[name]}/v1/chat/completions", data=orjson.dumps(named),
+        async with self._forwarding.post(f"{self.urls[name]}/v1/chat/completions", data=named,
                                       headers={"Content-Type": "application/json"}) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json"),

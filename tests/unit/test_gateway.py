@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -245,7 +246,7 @@ def test_completions_in_flight_past_aiohttps_default_pool_hold_neither_match_nor
                     try:
                         await asyncio.wait_for(all_arrived.wait(), 10)
                         failures = gateway.counters.match_failures
-                        assert await gateway._match(_IMAGE_BODY) == ([1.0], _MATCHED["request_items"])
+                        assert await gateway._match(orjson.dumps(_IMAGE_BODY)) == ([1.0], _MATCHED["request_items"])
                         assert gateway.counters.match_failures == failures == 0
                         answers["now"] = (200, "vllm:num_requests_running 101\n")
                         await asyncio.wait_for(gateway._scrape(), 2)
@@ -253,6 +254,50 @@ def test_completions_in_flight_past_aiohttps_default_pool_hold_neither_match_nor
                     finally:
                         release.set()
                         assert await asyncio.gather(*requests) == [200] * in_flight
+            finally:
+                await runner.cleanup()
+    asyncio.run(scene())
+
+
+def _nested(depth: int) -> bytes:
+    """A chat body with an image and a value ``depth`` lists deep."""
+    image = b'{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/1.png"}}]}'
+    return b'{"model":"m","messages":[' + image + b'],"x":' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(("depth", "status"), [(253, 200), (254, 400), (1000, 400)])
+def test_a_body_too_deep_to_forward_is_refused_as_a_bad_request(depth: int, status: int) -> None:
+    """orjson reads 1024 levels but writes 254: a body between is the client's error."""
+    async def scene() -> None:
+        forwarded: list[bytes] = []
+
+        async def chat(request: web.Request) -> web.Response:
+            forwarded.append(await request.read())
+            return web.json_response({"ok": True})
+
+        async def match(_: web.Request) -> web.Response:
+            return web.json_response(_MATCHED)
+
+        async def placements(_: web.Request) -> web.Response:
+            return web.json_response({}, status=202)
+        answers = {"now": (200, "vllm:num_requests_running 0\n")}
+        async with (_server({"/metrics": _metrics(answers), "/v1/chat/completions": chat}) as vllm,
+                    _server({"/v1/match": match, "/v1/placements": placements}) as mmcache):
+            gateway = Gateway({"a": vllm}, mmcache, "index", scrape_s=3600, match_timeout_s=2.0)
+            runner = web.AppRunner(gateway.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+            try:
+                async with aiohttp.ClientSession() as client, client.post(url, data=_nested(depth)) as response:
+                    answer = await response.json()
+                    assert response.status == status, answer
+                if status == 400:
+                    assert answer["error"]["code"] == "invalid_request"
+                    assert forwarded == [] and gateway.counters.routed == {"a": 0}
+                else:
+                    assert len(forwarded) == 1 and gateway.counters.match_failures == 0
             finally:
                 await runner.cleanup()
     asyncio.run(scene())
