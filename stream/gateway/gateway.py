@@ -16,13 +16,20 @@ Per request, as docs/gateway.md recommends:
 
 The load of a server is ``vllm:num_requests_running`` + ``vllm:num_requests_waiting``
 from its ``/metrics``, scraped every ``scrape_s``.
+
+Two client sessions: the forwarded completions on a pool without a limit (the gateway's own
+clients bound them; a limit would queue requests unseen, in front of the servers), and
+mmcache's calls and the scrapes on another, ``mmcache_connections`` per host, so neither a
+match (50 ms to answer, connecting included) nor a scrape ever waits behind completions in
+flight. A request makes one match and at most one placement, so that bound must stay above
+the requests that arrive at once: at 32, a burst of 100 failed 59 of its matches.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,12 +90,39 @@ def _reference(kind: str, value: Any) -> str | None:
 
 
 def scraped_load(metrics: str) -> int:
-    """Requests running plus waiting, summed over the lines of vLLM's ``/metrics``."""
-    total = 0.0
+    """Requests running plus waiting, summed over the lines of vLLM's ``/metrics``.
+
+    A load line the reader cannot use (no value, a value that is not a finite number) is
+    skipped; a timestamp after the value is ignored. Raises ``ValueError`` when the text has
+    no load line at all: a page that is not vLLM's metrics, which must not read as idle."""
+    total, seen = 0.0, False
     for line in metrics.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] in _LOAD_METRICS:
-            total += float(line.rsplit(" ", 1)[1])
+        sample = _load_sample(line)
+        if sample is not None:
+            seen = True
+            total += sample
+    if not seen:
+        raise ValueError("no vllm:num_requests_running or vllm:num_requests_waiting line")
     return round(total)
+
+
+def _load_sample(line: str) -> float | None:
+    """The value of a load line (the field after the name and labels), or None."""
+    if "{" in line:
+        name, _, rest = line.partition("{")
+        labels_end = rest.rfind("}")
+        if labels_end < 0:
+            return None
+        fields = rest[labels_end + 1:].split()
+    else:
+        name, *fields = line.split() or [""]
+    if name.strip() not in _LOAD_METRICS or not fields:
+        return None
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 @dataclass(slots=True)
@@ -104,11 +138,13 @@ class GatewayCounters:
 
 class Gateway:
     """Routes chat-completions requests over ``servers`` (endpoint name -> base URL) under
-    ``policy``; ``mmcache`` is the service's base URL (unused by ``round-robin``)."""
+    ``policy``; ``mmcache`` is the service's base URL (unused by ``round-robin``);
+    ``mmcache_connections`` bounds the connections to mmcache and to each server's metrics."""
 
     def __init__(self, servers: Mapping[str, str], mmcache: str, policy: str, *, token: str | None = None,
                  scrape_s: float = 0.5, match_timeout_s: float = 0.05, placement_timeout_s: float = 3.0,
-                 rule: PickRule = _PROFILE, bound_factor: float = 1.25, seed: int = 1) -> None:
+                 rule: PickRule = _PROFILE, bound_factor: float = 1.25, seed: int = 1,
+                 mmcache_connections: int = 256) -> None:
         if policy not in GATEWAY_POLICIES:
             raise ValueError(f"unknown policy {policy!r}: one of {', '.join(GATEWAY_POLICIES)}")
         if not servers:
@@ -128,39 +164,63 @@ class Gateway:
         self._scraped = [0] * len(self.names)
         self._since = [0] * len(self.names)  # routed since the last scrape
         self._turn = 0
-        self._session: aiohttp.ClientSession | None = None
+        self.mmcache_connections = mmcache_connections
+        self._session: aiohttp.ClientSession | None = None  # mmcache's calls and the scrapes
+        self._forwarding: aiohttp.ClientSession | None = None  # the completions
         self._scraper: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Opens the HTTP session and starts the scraper (after one scrape)."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        """Opens the HTTP sessions and starts the scraper (after one scrape)."""
+        self._forwarding = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.mmcache_connections),
+            timeout=aiohttp.ClientTimeout(total=None))
         await self._scrape()
         self._scraper = asyncio.create_task(self._scrape_forever())
 
     async def stop(self) -> None:
-        """Stops the scraper, waits for placements in flight, closes the session."""
-        if self._scraper is not None:
-            self._scraper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scraper
-        if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        """Stops the scraper, waits for placements in flight, closes the sessions; they are
+        closed whatever the scraper or the placements ended with."""
+        try:
+            if self._scraper is not None:
+                self._scraper.cancel()
+                try:
+                    await self._scraper
+                except asyncio.CancelledError:
+                    pass
+                except Exception:
+                    log.exception("the gateway's scraper had ended")
+            if self._writes:
+                await asyncio.gather(*self._writes, return_exceptions=True)
+        finally:
+            for session in (self._session, self._forwarding):
+                if session is not None:
+                    await session.close()
 
     async def _scrape(self) -> None:
+        """Scrapes every server at once, so one slow or hung server holds no other's load."""
+        await asyncio.gather(*(self._scrape_one(i) for i in range(len(self.names))))
+
+    async def _scrape_one(self, i: int) -> None:
+        """Server ``i``'s load, set as soon as it answers; on any failure (no answer, a status
+        other than 200, text that is not vLLM's metrics) the last load stays and the failure
+        is counted, and the scraper goes on."""
         assert self._session is not None
-        loads = list(self._scraped)
-        for i, name in enumerate(self.names):
-            try:
-                async with self._session.get(f"{self.urls[name]}/metrics",
-                                             timeout=aiohttp.ClientTimeout(total=5)) as response:
-                    loads[i] = scraped_load(await response.text())
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                self.counters.scrape_failures += 1
-        self._scraped = loads
-        self._since = [0] * len(self.names)
+        name = self.names[i]
+        try:
+            async with self._session.get(f"{self.urls[name]}/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as response:
+                if response.status != 200:
+                    raise ValueError(f"/metrics answered {response.status}")
+                load = scraped_load(await response.text())
+        except Exception as error:  # the scraper must outlive any one answer
+            self.counters.scrape_failures += 1
+            log.debug("scraping %s failed: %r", name, error)
+            return
+        self._scraped[i] = load
+        self._since[i] = 0
 
     async def _scrape_forever(self) -> None:
         while True:
@@ -172,12 +232,14 @@ class Gateway:
             return [s + r for s, r in zip(self._scraped, self._since, strict=True)]
         return list(self._scraped)
 
-    async def _match(self, body: dict[str, Any]) -> tuple[list[float], list[dict[str, Any]]]:
-        """Scores in ``names`` order and the request's items; zeros and no items on failure."""
+    async def _match(self, body: bytes) -> tuple[list[float], list[dict[str, Any]]]:
+        """Scores in ``names`` order and the request's items; zeros and no items on failure.
+        ``body`` is the encoded body, put in the match as it is (encoding it again inside the
+        match would add a level orjson may refuse)."""
         assert self._session is not None
+        match = b'{"endpoints":' + orjson.dumps(self.names) + b',"body":' + body + b"}"
         try:
-            async with self._session.post(f"{self.mmcache}/v1/match", headers=self.headers,
-                                          data=orjson.dumps({"endpoints": self.names, "body": body}),
+            async with self._session.post(f"{self.mmcache}/v1/match", headers=self.headers, data=match,
                                           timeout=self.match_timeout) as response:
                 if response.status != 200:
                     raise ValueError(f"match answered {response.status}")
@@ -199,8 +261,8 @@ class Gateway:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             self.counters.placement_failures += 1
 
-    async def choose(self, body: dict[str, Any]) -> str:
-        """The server for ``body`` (already named); records the placement off the path."""
+    async def choose(self, body: bytes) -> str:
+        """The server for ``body`` (already named, encoded); records the placement off the path."""
         if self.policy == "round-robin":
             chosen = self._turn % len(self.names)
             self._turn += 1
@@ -230,10 +292,14 @@ class Gateway:
         if not isinstance(body, dict):
             return web.json_response({"error": {"code": "invalid_request", "message": "body: not an object"}},
                                      status=400)
-        named = name_items(body)
+        try:
+            named = orjson.dumps(name_items(body))
+        except TypeError:  # orjson reads 1024 levels deep but writes no more than 254
+            return web.json_response(
+                {"error": {"code": "invalid_request", "message": "body: nested too deep"}}, status=400)
         name = await self.choose(named)
-        assert self._session is not None
-        async with self._session.post(f"{self.urls[name]}/v1/chat/completions", data=orjson.dumps(named),
+        assert self._forwarding is not None
+        async with self._forwarding.post(f"{self.urls[name]}/v1/chat/completions", data=named,
                                       headers={"Content-Type": "application/json"}) as upstream:
             response = web.StreamResponse(status=upstream.status, headers={
                 "Content-Type": upstream.headers.get("Content-Type", "application/json"),

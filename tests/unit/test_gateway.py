@@ -5,10 +5,16 @@ items, its images exactly their embeddings."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
+import aiohttp
+import orjson
 import pytest
+from aiohttp import web
 
 from stream.bench.fleet_real import predicted
 from stream.bench.fleet_trace import FleetTrace, chat_body, png_data_url, simulate_argv
@@ -50,6 +56,251 @@ def test_load_is_running_plus_waiting() -> None:
         'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 7.0',
         'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 100.0'])
     assert scraped_load(metrics) == 5
+
+
+@pytest.mark.parametrize(("line", "load"), [
+    ("vllm:num_requests_running", 0),  # no value
+    ("vllm:num_requests_running +Inf", 0),
+    ("vllm:num_requests_running NaN", 0),
+    ("vllm:num_requests_running three", 0),
+    ("vllm:num_requests_running 2 1700000000000", 2),  # a timestamp after the value
+    ('vllm:num_requests_running{engine="0",model_name="a b"} 4 1700000000000', 4),
+])
+def test_a_line_the_reader_cannot_use_is_skipped(line: str, load: int) -> None:
+    assert scraped_load(f"{line}\nvllm:num_requests_waiting 1.0\n") == load + 1
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def _server(routes: dict[str, Handler]) -> AsyncIterator[str]:
+    """An aiohttp server on a free port answering ``routes`` (path -> handler): its base URL."""
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_route("GET" if path == "/metrics" else "POST", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _metrics(answers: dict[str, tuple[int, str]]) -> Handler:
+    async def metrics(_: web.Request) -> web.Response:
+        status, text = answers["now"]
+        return web.Response(status=status, text=text)
+    return metrics
+
+
+def test_a_metrics_answer_that_is_not_200_is_a_failure_and_keeps_the_last_load() -> None:
+    async def scene() -> None:
+        answers = {"now": (200, "vllm:num_requests_running 6\n")}
+        async with _server({"/metrics": _metrics(answers)}) as url:
+            gateway = Gateway({"a": url}, "http://127.0.0.1:1", "index", scrape_s=3600)
+            await gateway.start()
+            try:
+                assert gateway._loads() == [6]
+                answers["now"] = (503, "<html>503 upstream</html>")
+                await gateway._scrape()
+                assert gateway._loads() == [6]  # unhealthy is not idle
+                assert gateway.counters.scrape_failures == 1
+            finally:
+                await gateway.stop()
+    asyncio.run(scene())
+
+
+def test_a_metrics_page_without_a_load_line_is_a_failure() -> None:
+    with pytest.raises(ValueError, match="no vllm:num_requests_running"):
+        scraped_load("<html>login</html>")
+
+    async def scene() -> None:
+        answers = {"now": (200, "vllm:num_requests_waiting 3\n")}
+        async with _server({"/metrics": _metrics(answers)}) as url:
+            gateway = Gateway({"a": url}, "http://127.0.0.1:1", "index", scrape_s=3600)
+            await gateway.start()
+            try:
+                answers["now"] = (200, "<html>a proxy's page</html>")
+                await gateway._scrape()
+                assert gateway._loads() == [3]
+                assert gateway.counters.scrape_failures == 1
+            finally:
+                await gateway.stop()
+    asyncio.run(scene())
+
+
+def test_the_scraper_outlives_an_answer_it_cannot_read_and_stop_closes_the_session(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scene() -> None:
+        answers = {"now": (200, "vllm:num_requests_running 7\n")}
+        async with _server({"/metrics": _metrics(answers)}) as url:
+            gateway = Gateway({"a": url}, "http://127.0.0.1:1", "index", scrape_s=0.02)
+            await gateway.start()
+            assert gateway._loads() == [7]
+            monkeypatch.setattr("stream.gateway.gateway.scraped_load", _raises)
+            await asyncio.sleep(0.2)
+            assert gateway._scraper is not None and not gateway._scraper.done()
+            assert gateway.counters.scrape_failures > 0
+            monkeypatch.undo()
+            answers["now"] = (200, "vllm:num_requests_running 1\n")
+            await asyncio.sleep(0.2)
+            assert gateway._loads() == [1]
+            sessions = (gateway._session, gateway._forwarding)
+            await gateway.stop()
+            assert all(session is not None and session.closed for session in sessions)
+    asyncio.run(scene())
+
+
+def test_stop_closes_the_session_though_the_scraper_ended_with_an_error() -> None:
+    async def scene() -> None:
+        answers = {"now": (200, "vllm:num_requests_running 7\n")}
+        async with _server({"/metrics": _metrics(answers)}) as url:
+            gateway = Gateway({"a": url}, "http://127.0.0.1:1", "index", scrape_s=3600)
+            await gateway.start()
+            assert gateway._scraper is not None
+            gateway._scraper.cancel()
+
+            async def ended() -> None:
+                raise RuntimeError("ended")
+            gateway._scraper = asyncio.create_task(ended())
+            await asyncio.sleep(0)
+            sessions = (gateway._session, gateway._forwarding)
+            await gateway.stop()
+            assert all(session is not None and session.closed for session in sessions)
+    asyncio.run(scene())
+
+
+def _raises(_: str) -> int:
+    raise RuntimeError("a reader's bug")
+
+
+def test_one_hung_server_does_not_hold_the_others_loads() -> None:
+    async def scene() -> None:
+        release = asyncio.Event()
+
+        async def hung(_: web.Request) -> web.Response:
+            await release.wait()
+            return web.Response(text="vllm:num_requests_running 2\n")
+        answers = {"now": (200, "vllm:num_requests_running 7\n")}
+        async with _server({"/metrics": hung}) as slow, _server({"/metrics": _metrics(answers)}) as fast:
+            gateway = Gateway({"a": slow, "b": fast}, "http://127.0.0.1:1", "index", scrape_s=3600)
+            scrape = asyncio.create_task(gateway.start())
+            try:
+                await asyncio.sleep(0.3)
+                assert gateway._loads() == [0, 7]
+            finally:
+                release.set()
+                await scrape
+                await gateway.stop()
+            assert gateway._loads() == [2, 7]
+    asyncio.run(scene())
+
+
+_MATCHED = {"endpoints": [{"endpoint": "a", "score": 1.0}],
+            "request_items": [{"hash": "x", "size": 1, "modality": "image"}]}
+_IMAGE_BODY = {"model": "m", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": "http://x/1.png"}}]}]}
+
+
+def test_completions_in_flight_past_aiohttps_default_pool_hold_neither_match_nor_scrape() -> None:
+    """aiohttp's default pool is 100 connections: 101 completions in flight must all reach
+    the server, and the next match and scrape must not wait behind them."""
+    in_flight = 101
+
+    async def scene() -> None:
+        arrived, release = 0, asyncio.Event()
+        all_arrived = asyncio.Event()
+
+        async def chat(_: web.Request) -> web.Response:
+            nonlocal arrived
+            arrived += 1
+            if arrived == in_flight:
+                all_arrived.set()
+            await release.wait()
+            return web.json_response({"ok": True})
+
+        async def match(_: web.Request) -> web.Response:
+            return web.json_response(_MATCHED)
+
+        async def placements(_: web.Request) -> web.Response:
+            return web.json_response({}, status=202)
+        answers = {"now": (200, "vllm:num_requests_running 0\n")}
+        async with (_server({"/metrics": _metrics(answers), "/v1/chat/completions": chat}) as vllm,
+                    _server({"/v1/match": match, "/v1/placements": placements}) as mmcache):
+            gateway = Gateway({"a": vllm}, mmcache, "index", scrape_s=3600, match_timeout_s=2.0)
+            runner = web.AppRunner(gateway.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+            try:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+                    async def one() -> int:
+                        async with client.post(url, json=_IMAGE_BODY) as response:
+                            await response.read()
+                            return response.status
+                    requests = [asyncio.create_task(one()) for _ in range(in_flight)]
+                    try:
+                        await asyncio.wait_for(all_arrived.wait(), 10)
+                        failures = gateway.counters.match_failures
+                        assert await gateway._match(orjson.dumps(_IMAGE_BODY)) == ([1.0], _MATCHED["request_items"])
+                        assert gateway.counters.match_failures == failures == 0
+                        answers["now"] = (200, "vllm:num_requests_running 101\n")
+                        await asyncio.wait_for(gateway._scrape(), 2)
+                        assert gateway._loads() == [101]
+                    finally:
+                        release.set()
+                        assert await asyncio.gather(*requests) == [200] * in_flight
+            finally:
+                await runner.cleanup()
+    asyncio.run(scene())
+
+
+def _nested(depth: int) -> bytes:
+    """A chat body with an image and a value ``depth`` lists deep."""
+    image = b'{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/1.png"}}]}'
+    return b'{"model":"m","messages":[' + image + b'],"x":' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(("depth", "status"), [(253, 200), (254, 400), (1000, 400)])
+def test_a_body_too_deep_to_forward_is_refused_as_a_bad_request(depth: int, status: int) -> None:
+    """orjson reads 1024 levels but writes 254: a body between is the client's error."""
+    async def scene() -> None:
+        forwarded: list[bytes] = []
+
+        async def chat(request: web.Request) -> web.Response:
+            forwarded.append(await request.read())
+            return web.json_response({"ok": True})
+
+        async def match(_: web.Request) -> web.Response:
+            return web.json_response(_MATCHED)
+
+        async def placements(_: web.Request) -> web.Response:
+            return web.json_response({}, status=202)
+        answers = {"now": (200, "vllm:num_requests_running 0\n")}
+        async with (_server({"/metrics": _metrics(answers), "/v1/chat/completions": chat}) as vllm,
+                    _server({"/v1/match": match, "/v1/placements": placements}) as mmcache):
+            gateway = Gateway({"a": vllm}, mmcache, "index", scrape_s=3600, match_timeout_s=2.0)
+            runner = web.AppRunner(gateway.app())
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+            try:
+                async with aiohttp.ClientSession() as client, client.post(url, data=_nested(depth)) as response:
+                    answer = await response.json()
+                    assert response.status == status, answer
+                if status == 400:
+                    assert answer["error"]["code"] == "invalid_request"
+                    assert forwarded == [] and gateway.counters.routed == {"a": 0}
+                else:
+                    assert len(forwarded) == 1 and gateway.counters.match_failures == 0
+            finally:
+                await runner.cleanup()
+    asyncio.run(scene())
 
 
 def test_an_unknown_policy_is_refused() -> None:
