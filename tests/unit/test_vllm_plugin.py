@@ -748,9 +748,53 @@ def test_a_resync_taken_while_the_scheduler_works_still_ends_exact(make_manager)
         for _ in range(300):  # passes now and then, the sender's timer between them
             scheduler.step()
             time.sleep(0.001)
-        expected = scheduler.holdings()
-        wait_for(lambda: recorder.view() == expected and resynced(manager), step=scheduler.idle_pass)
+        expected = scheduler.holdings()  # from here on, no pass: the engine is idle
+        wait_for(lambda: recorder.view() == expected and resynced(manager))
     finally:
+        recorder.close()
+
+
+def test_a_pass_inside_the_senders_own_snapshot_is_resynced_though_the_engine_idles(make_manager):
+    """One scheduling pass runs while the sender copies the cache for its own snapshot,
+    before it queues the marker; the pass's events come before the marker and are
+    discarded. The engine then idles, so no pass answers the sender's request for another
+    snapshot: the sender takes that one too, and until then a resync is pending."""
+    port = unused_port()
+    manager = make_manager(f"http://127.0.0.1:{port}", batch_size=32, max_backoff_s=0.05)
+    reporter = manager.reporter
+    scheduler = Scheduler(manager, 11)
+    for _ in range(100):
+        scheduler.step()
+    wait_for(lambda: reporter.counters().posts_failed >= 1, step=scheduler.step)
+    copied, passed = threading.Event(), threading.Event()
+    snapshot = reporter._snapshot
+
+    def racing() -> list:
+        items = snapshot()
+        if threading.current_thread() is reporter._thread and not copied.is_set():
+            copied.set()  # the copy is taken, the marker not yet queued: one pass runs now
+            passed.wait(10)
+        return items
+
+    reporter._snapshot = racing
+    recorder = Recorder(port)
+    try:
+        assert copied.wait(20), "the sender never took its own snapshot"
+        scheduler.items.append(("late-item", 50, "image"))
+        for request in scheduler.running:  # one pass: the running requests finish, one comes
+            scheduler.call(manager.free, request)
+        scheduler.running.clear()
+        for attempt in range(20):  # schedule() may give a request no KV blocks: another then
+            if scheduler.schedule(make_request(f"late-{attempt}", [scheduler.items[-1]]), scheduler.budget)[0]:
+                break
+        scheduler.idle_pass()  # the end of that one pass; the engine is idle from here on
+        passed.set()
+        expected = scheduler.holdings()
+        assert "late-item" in expected
+        counters = wait_for(lambda: recorder.view() == expected and resynced(manager), timeout=5)
+        assert counters.errors == 0
+    finally:
+        passed.set()
         recorder.close()
 
 

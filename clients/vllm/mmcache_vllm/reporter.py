@@ -27,8 +27,10 @@ An idle engine runs no scheduling pass, so the sender takes the snapshot itself 
 scheduler thread has been outside the plugin's hooks for a whole interval: every hook
 bumps ``_activity`` on entry and on exit (odd while inside one), the sender copies the
 cache (one C-level dict copy, atomic under the GIL) and queues the marker, and if
-``_activity`` moved meanwhile it asks the scheduler thread for another snapshot, which
-supersedes its own.
+``_activity`` moved meanwhile it asks for another snapshot, which supersedes its own. The
+next scheduling pass takes that one; if none comes (the engine idles again), the sender takes
+it itself once the scheduler thread has again been outside the hooks for a whole interval.
+Until one of them has, ``resync_pending`` stays true.
 
 At a clean exit of vLLM's process (``close``, run by multiprocessing's exit handlers) the
 reporter sends ``cleared``: the engine's cache is gone with it. The token file is read
@@ -243,8 +245,12 @@ class EngineEventReporter:
             refused=self._refused,
             posts_ok=self._posts_ok, posts_failed=self._posts_failed, resyncs=self._resyncs,
             errors=self._scheduler_errors + self._sender_errors, queue_length=len(self._queue),
-            resync_pending=self._lost or self._dirty or self._resync_left > 0
+            resync_pending=self._lost or self._dirty or self._resync_left > 0 or self._owed()
             or self._markers_queued + self._sender_markers != self._markers_taken)
+
+    def _owed(self) -> bool:
+        """A snapshot was asked for that neither thread has taken yet."""
+        return self._requests not in (self._requests_served, self._served_by_sender)
 
     def start(self) -> None:
         """Starts the sender thread; says the effective settings once."""
@@ -306,6 +312,8 @@ class EngineEventReporter:
             elif self._asked:
                 self._resync_if_idle()
             return False
+        if self._owed():  # the scheduler thread ran while the sender copied: it takes another
+            self._resync_if_idle()
         if not self._outbox:
             return False
         batch = [self._outbox.popleft() for _ in range(min(self._batch_size, len(self._outbox)))]
@@ -369,7 +377,8 @@ class EngineEventReporter:
 
     def _resync_if_idle(self) -> None:
         """Takes the snapshot asked for on this thread when the scheduler thread has been
-        outside the hooks since the previous wake (no scheduling pass would take it)."""
+        outside the hooks since the previous wake (no scheduling pass would take it): after
+        a loss, or when its own previous copy raced a hook."""
         activity = self._activity
         idle = activity % 2 == 0 and activity == self._seen_activity
         self._seen_activity = activity
