@@ -766,6 +766,8 @@ def test_a_pass_inside_the_senders_own_snapshot_is_resynced_though_the_engine_id
     for _ in range(100):
         scheduler.step()
     wait_for(lambda: reporter.counters().posts_failed >= 1, step=scheduler.step)
+    # from here on the scheduler thread runs no pass of its own: the next snapshot the
+    # sender thread takes is its own, and mmcache comes up while it copies
     copied, passed = threading.Event(), threading.Event()
     snapshot = reporter._snapshot
 
@@ -777,9 +779,10 @@ def test_a_pass_inside_the_senders_own_snapshot_is_resynced_though_the_engine_id
         return items
 
     reporter._snapshot = racing
-    recorder = Recorder(port)
+    recorder = None
     try:
         assert copied.wait(20), "the sender never took its own snapshot"
+        recorder = Recorder(port)
         scheduler.items.append(("late-item", 50, "image"))
         for request in scheduler.running:  # one pass: the running requests finish, one comes
             scheduler.call(manager.free, request)
@@ -795,7 +798,8 @@ def test_a_pass_inside_the_senders_own_snapshot_is_resynced_though_the_engine_id
         assert counters.errors == 0
     finally:
         passed.set()
-        recorder.close()
+        if recorder is not None:
+            recorder.close()
 
 
 def test_a_rotated_token_file_is_read_again(recorder, make_manager, tmp_path, caplog):
