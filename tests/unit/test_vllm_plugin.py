@@ -837,6 +837,81 @@ def test_a_clean_exit_sends_cleared(recorder, make_manager):
     assert recorder.applied()[-1].body["events"] == [{"type": "cleared"}]
 
 
+class TricklingService:
+    """A service that applies each POST as it reads it (as mmcache does) and records
+    (connection, event types); while ``trickle`` holds a delay, it answers a POST of stored
+    items one byte of its body at a time, that many seconds apart: each of the plugin's
+    socket waits is shorter than its timeout, the whole answer longer."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, list[str]]] = []
+        self.trickle = 0.0
+        self.stored_read = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for connection_id in range(1, 1000):
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection, connection_id), daemon=True).start()
+
+    def _serve(self, connection: socket.socket, connection_id: int) -> None:
+        reader = connection.makefile("rb")
+        with connection:
+            while reader.readline():
+                length = 0
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                kinds = [event["type"] for event in json.loads(reader.read(length))["events"]]
+                self.applied.append((connection_id, kinds))
+                trickle = self.trickle if "stored" in kinds else 0.0
+                connection.sendall(b"HTTP/1.1 202 Accepted\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: 4\r\n\r\n" + (b"" if trickle else b"{  }"))
+                if trickle:
+                    self.stored_read.set()
+                    for byte in b"{  }":
+                        time.sleep(trickle)
+                        connection.sendall(bytes([byte]))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("trickle", [0.2, 0.4], ids=["ends-in-the-second-wait", "outlives-both-waits"])
+def test_a_clean_exit_during_a_slow_post_never_shares_the_senders_connection(make_manager, caplog, trickle):
+    """``close`` comes while the sender is inside a POST that outlasts ``timeout_s`` (each
+    wait shorter): it waits for the sender up to ``timeout_s`` once more, then sends
+    ``cleared`` on a connection of its own, never the sender's, and after the batch."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    service = TricklingService()
+    try:
+        manager = make_manager(service.url, timeout_s=0.5)
+        reporter = manager.reporter
+        wait_for(lambda: service.applied)  # the first cleared, on the sender's connection
+        service.trickle = trickle
+        scheduler = Scheduler(manager, 12)
+        for _ in range(10):
+            scheduler.step()
+        assert service.stored_read.wait(10)
+        reporter.close()
+        reporter._thread.join(5)
+        assert not reporter._thread.is_alive()
+        sender_connection, _ = service.applied[0]
+        closing_connection, last = service.applied[-1]
+        assert last == ["cleared"] and closing_connection != sender_connection
+        assert any("stored" in kinds for _, kinds in service.applied[:-1])
+        counters = reporter.counters()
+        assert counters.posts_failed == 0 and counters.errors == 0, counters
+        assert any("cache is gone (cleared)" in r.getMessage() for r in caplog.records)
+    finally:
+        service.close()
+
+
 def test_a_clean_exit_of_the_process_sends_cleared(recorder):
     """``close`` is registered with multiprocessing's exit handlers, which a forked
     process (vLLM's engine core) runs at its end though it skips atexit."""

@@ -171,9 +171,8 @@ class EngineEventReporter:
         self._token_stamp = _stamp(config.token_file)
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
-        context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
-
-        self._connection = EventsConnection(config.events_url, config.timeout_s, context)
+        self._context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
+        self._connection = EventsConnection(config.events_url, config.timeout_s, self._context)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmcache-vllm-reporter", daemon=True)
 
@@ -268,13 +267,29 @@ class EngineEventReporter:
 
     def close(self) -> None:
         """Stops the sender and sends ``cleared`` once: vLLM's process is exiting, and the
-        engine's cache goes with it. Runs once; nothing after ``stop``."""
+        engine's cache goes with it. Runs once; nothing after ``stop``.
+
+        The sender may still be inside a POST after ``timeout_s`` (each socket wait is
+        bounded, the whole answer is not): this thread waits for it up to ``timeout_s``
+        once more, so that ``cleared`` comes after the batch it is sending, and then posts
+        on a connection of its own. The sender's connection and headers stay the sender's
+        while it lives."""
         if self._closed:
             return
         self.stop(self.config.timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(self.config.timeout_s)
         try:
-            self._refresh_token()
-            status, reason = self._post([_CLEARED])
+            if self._thread.is_alive():
+                headers = dict(self._headers)
+            else:  # the sender has ended: what it wrote is this thread's now
+                self._refresh_token()
+                headers = self._headers
+            connection = EventsConnection(self.config.events_url, self.config.timeout_s, self._context)
+            try:
+                status, reason = self._post([_CLEARED], connection, headers)
+            finally:
+                connection.close()
         except Exception as exc:  # exiting: say it, never raise
             status, reason = None, f"{type(exc).__name__}: {exc}"
         if status == 202:
@@ -448,13 +463,16 @@ class EngineEventReporter:
         self._warn(f"mmcache-vllm: events not delivered to {self.config.events_url}: {reason}; "
                    f"{self.counters().dropped} items dropped so far, resyncing when it answers again")
 
-    def _post(self, batch: list[tuple]) -> tuple[int | None, str]:
+    def _post(self, batch: list[tuple], connection: EventsConnection | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int | None, str]:
         """POSTs one batch: the answer's status (None without one) and what it said
-        (never the token). Only 202 means mmcache took it."""
+        (never the token). Only 202 means mmcache took it. The sender's own connection
+        and headers unless others are given (``close``)."""
         body = json.dumps({"endpoint": self.config.endpoint, "engine": "vllm", "events": _events(batch)},
                           separators=(",", ":")).encode()
+        connection = self._connection if connection is None else connection
         try:  # over one kept-alive connection (``transport``); a 3xx is never followed
-            answer = self._connection.post(body, self._headers, MAX_ANSWER_BYTES)
+            answer = connection.post(body, self._headers if headers is None else headers, MAX_ANSWER_BYTES)
         except Exception as exc:  # refused, reset, timed out, bad status line, TLS
             reason = getattr(exc, "reason", None)
             return None, f"{type(exc).__name__}: {reason if reason is not None else exc}"
