@@ -824,6 +824,23 @@ def test_a_rotated_token_file_is_read_again(recorder, make_manager, tmp_path, ca
     assert all("first-token" not in m and "second-token" not in m for m in messages)
 
 
+def test_a_token_rotated_while_the_plugin_starts_is_read(tmp_path):
+    """The Secret rotates after the settings read the token and before the reporter
+    exists: the first POST reads the file again (its stamp is taken before the token)."""
+    from mmcache_vllm.reporter import EngineEventReporter
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token\n")
+    config = ReporterConfig.from_manager_config({"url": "http://127.0.0.1:1", "endpoint": ENDPOINT,
+                                                 "token_file": str(tokens)}, {})
+    rotated = tmp_path / "tokens.new"  # vLLM's own EncoderCacheManager starts meanwhile
+    rotated.write_text("new-token\n")
+    rotated.replace(tokens)
+    reporter = EngineEventReporter(config, lambda: [])
+    reporter._refresh_token()  # what the sender does before each POST
+    assert reporter._headers["Authorization"] == "Bearer new-token"
+
+
 def test_a_clean_exit_sends_cleared(recorder, make_manager):
     manager = make_manager(recorder.url)
     scheduler = Scheduler(manager, 9)

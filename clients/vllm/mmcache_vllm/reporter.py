@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import ssl
 import threading
 import time
@@ -49,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .config import ConfigError, ReporterConfig, read_token
+from .config import ConfigError, ReporterConfig, read_token, stamp
 from .transport import EventsConnection
 
 __all__ = ["Counters", "EngineEventReporter", "Item", "LOGGER_NAME"]
@@ -168,7 +167,7 @@ class EngineEventReporter:
         self._reported_errors = 0
         self._headers = {"Content-Type": "application/json"}
         self._token = config.token
-        self._token_stamp = _stamp(config.token_file)
+        self._token_stamp = config.token_stamp  # of the file as it was before the token was read
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
         self._context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
@@ -409,10 +408,10 @@ class EngineEventReporter:
     def _refresh_token(self) -> None:
         """Reads the token file again when it changed since it was last read (a Secret
         rotated in place); a file without a token leaves the previous one in use."""
-        stamp = _stamp(self.config.token_file)
-        if stamp == self._token_stamp or self.config.token_file is None:
+        now = stamp(self.config.token_file)
+        if now == self._token_stamp or self.config.token_file is None:
             return
-        self._token_stamp = stamp
+        self._token_stamp = now
         try:
             token = read_token(self.config.token_file)
         except ConfigError as exc:
@@ -503,18 +502,6 @@ class EngineEventReporter:
             if token:
                 message = message.replace(token, "***")
         log.log(level, message)
-
-
-def _stamp(path: str | None) -> tuple[int, int, int] | None:
-    """What tells a changed file: its inode, modification time and size (a Secret's
-    volume swaps a symlink, which ``stat`` follows)."""
-    if path is None:
-        return None
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 def _reportable(mm_hash: object) -> bool:
