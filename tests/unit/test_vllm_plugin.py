@@ -748,10 +748,58 @@ def test_a_resync_taken_while_the_scheduler_works_still_ends_exact(make_manager)
         for _ in range(300):  # passes now and then, the sender's timer between them
             scheduler.step()
             time.sleep(0.001)
-        expected = scheduler.holdings()
-        wait_for(lambda: recorder.view() == expected and resynced(manager), step=scheduler.idle_pass)
+        expected = scheduler.holdings()  # from here on, no pass: the engine is idle
+        wait_for(lambda: recorder.view() == expected and resynced(manager))
     finally:
         recorder.close()
+
+
+def test_a_pass_inside_the_senders_own_snapshot_is_resynced_though_the_engine_idles(make_manager):
+    """One scheduling pass runs while the sender copies the cache for its own snapshot,
+    before it queues the marker; the pass's events come before the marker and are
+    discarded. The engine then idles, so no pass answers the sender's request for another
+    snapshot: the sender takes that one too, and until then a resync is pending."""
+    port = unused_port()
+    manager = make_manager(f"http://127.0.0.1:{port}", batch_size=32, max_backoff_s=0.05)
+    reporter = manager.reporter
+    scheduler = Scheduler(manager, 11)
+    for _ in range(100):
+        scheduler.step()
+    wait_for(lambda: reporter.counters().posts_failed >= 1, step=scheduler.step)
+    # from here on the scheduler thread runs no pass of its own: the next snapshot the
+    # sender thread takes is its own, and mmcache comes up while it copies
+    copied, passed = threading.Event(), threading.Event()
+    snapshot = reporter._snapshot
+
+    def racing() -> list:
+        items = snapshot()
+        if threading.current_thread() is reporter._thread and not copied.is_set():
+            copied.set()  # the copy is taken, the marker not yet queued: one pass runs now
+            passed.wait(10)
+        return items
+
+    reporter._snapshot = racing
+    recorder = None
+    try:
+        assert copied.wait(20), "the sender never took its own snapshot"
+        recorder = Recorder(port)
+        scheduler.items.append(("late-item", 50, "image"))
+        for request in scheduler.running:  # one pass: the running requests finish, one comes
+            scheduler.call(manager.free, request)
+        scheduler.running.clear()
+        for attempt in range(20):  # schedule() may give a request no KV blocks: another then
+            if scheduler.schedule(make_request(f"late-{attempt}", [scheduler.items[-1]]), scheduler.budget)[0]:
+                break
+        scheduler.idle_pass()  # the end of that one pass; the engine is idle from here on
+        passed.set()
+        expected = scheduler.holdings()
+        assert "late-item" in expected
+        counters = wait_for(lambda: recorder.view() == expected and resynced(manager), timeout=5)
+        assert counters.errors == 0
+    finally:
+        passed.set()
+        if recorder is not None:
+            recorder.close()
 
 
 def test_a_rotated_token_file_is_read_again(recorder, make_manager, tmp_path, caplog):
@@ -776,6 +824,23 @@ def test_a_rotated_token_file_is_read_again(recorder, make_manager, tmp_path, ca
     assert all("first-token" not in m and "second-token" not in m for m in messages)
 
 
+def test_a_token_rotated_while_the_plugin_starts_is_read(tmp_path):
+    """The Secret rotates after the settings read the token and before the reporter
+    exists: the first POST reads the file again (its stamp is taken before the token)."""
+    from mmcache_vllm.reporter import EngineEventReporter
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token\n")
+    config = ReporterConfig.from_manager_config({"url": "http://127.0.0.1:1", "endpoint": ENDPOINT,
+                                                 "token_file": str(tokens)}, {})
+    rotated = tmp_path / "tokens.new"  # vLLM's own EncoderCacheManager starts meanwhile
+    rotated.write_text("new-token\n")
+    rotated.replace(tokens)
+    reporter = EngineEventReporter(config, lambda: [])
+    reporter._refresh_token()  # what the sender does before each POST
+    assert reporter._headers["Authorization"] == "Bearer new-token"
+
+
 def test_a_clean_exit_sends_cleared(recorder, make_manager):
     manager = make_manager(recorder.url)
     scheduler = Scheduler(manager, 9)
@@ -787,6 +852,81 @@ def test_a_clean_exit_sends_cleared(recorder, make_manager):
     assert recorder.applied()[-1].body["events"] == [{"type": "cleared"}]
     manager.reporter.close()  # once only
     assert recorder.applied()[-1].body["events"] == [{"type": "cleared"}]
+
+
+class TricklingService:
+    """A service that applies each POST as it reads it (as mmcache does) and records
+    (connection, event types); while ``trickle`` holds a delay, it answers a POST of stored
+    items one byte of its body at a time, that many seconds apart: each of the plugin's
+    socket waits is shorter than its timeout, the whole answer longer."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, list[str]]] = []
+        self.trickle = 0.0
+        self.stored_read = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for connection_id in range(1, 1000):
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(connection, connection_id), daemon=True).start()
+
+    def _serve(self, connection: socket.socket, connection_id: int) -> None:
+        reader = connection.makefile("rb")
+        with connection:
+            while reader.readline():
+                length = 0
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                kinds = [event["type"] for event in json.loads(reader.read(length))["events"]]
+                self.applied.append((connection_id, kinds))
+                trickle = self.trickle if "stored" in kinds else 0.0
+                connection.sendall(b"HTTP/1.1 202 Accepted\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: 4\r\n\r\n" + (b"" if trickle else b"{  }"))
+                if trickle:
+                    self.stored_read.set()
+                    for byte in b"{  }":
+                        time.sleep(trickle)
+                        connection.sendall(bytes([byte]))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("trickle", [0.2, 0.4], ids=["ends-in-the-second-wait", "outlives-both-waits"])
+def test_a_clean_exit_during_a_slow_post_never_shares_the_senders_connection(make_manager, caplog, trickle):
+    """``close`` comes while the sender is inside a POST that outlasts ``timeout_s`` (each
+    wait shorter): it waits for the sender up to ``timeout_s`` once more, then sends
+    ``cleared`` on a connection of its own, never the sender's, and after the batch."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    service = TricklingService()
+    try:
+        manager = make_manager(service.url, timeout_s=0.5)
+        reporter = manager.reporter
+        wait_for(lambda: service.applied)  # the first cleared, on the sender's connection
+        service.trickle = trickle
+        scheduler = Scheduler(manager, 12)
+        for _ in range(10):
+            scheduler.step()
+        assert service.stored_read.wait(10)
+        reporter.close()
+        reporter._thread.join(5)
+        assert not reporter._thread.is_alive()
+        sender_connection, _ = service.applied[0]
+        closing_connection, last = service.applied[-1]
+        assert last == ["cleared"] and closing_connection != sender_connection
+        assert any("stored" in kinds for _, kinds in service.applied[:-1])
+        counters = reporter.counters()
+        assert counters.posts_failed == 0 and counters.errors == 0, counters
+        assert any("cache is gone (cleared)" in r.getMessage() for r in caplog.records)
+    finally:
+        service.close()
 
 
 def test_a_clean_exit_of_the_process_sends_cleared(recorder):

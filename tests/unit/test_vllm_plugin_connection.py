@@ -5,6 +5,7 @@ without losing a batch to a connection the server closed while it was idle."""
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -107,3 +108,24 @@ def test_a_post_that_failed_leaves_its_connection_for_a_new_one(make_manager):  
         assert connection._connection is None  # closed: the next POST opens a new one
     finally:
         service.close()
+
+
+def test_a_connection_idle_past_max_idle_s_is_closed_before_the_next_post():
+    """Under the server's keep-alive timeout, so that a POST rarely crosses its close (and
+    is then sent again, perhaps after the server applied it)."""
+    from mmcache_vllm import transport
+
+    service = KeepAliveService()
+    connection = transport.EventsConnection(f"{service.url}/v1/engine-events", 5.0)
+    try:
+        connection.max_idle_s = 0.2
+        for _ in range(3):  # back to back: one connection
+            assert connection.post(b"{}", {}, 4096).status == 202
+        assert connection.opened == 1
+        time.sleep(0.3)
+        assert connection.post(b"{}", {}, 4096).status == 202
+        assert connection.opened == 2 and service.connections == 2 and service.posts == 4
+    finally:
+        connection.close()
+        service.close()
+    assert transport.MAX_IDLE_S < 75  # mmcache's KEEPALIVE_S

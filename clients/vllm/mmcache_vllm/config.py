@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "ReporterConfig", "SERVICE_ACCOUNT_NAMESPACE", "MAX_BATCH_SIZE", "read_token"]
+__all__ = ["ConfigError", "ReporterConfig", "SERVICE_ACCOUNT_NAMESPACE", "MAX_BATCH_SIZE", "read_token",
+           "stamp"]
 
 # the service's default MMCACHE_MAX_ITEMS: a POST never carries more items and hashes
 MAX_BATCH_SIZE = 1024
@@ -41,6 +42,9 @@ class ReporterConfig:
     token: str | None = field(default=None, repr=False)
     # re-read by the sender when the file changes (a rotated Secret), see reporter.py
     token_file: str | None = None
+    # the file's stamp taken before ``token`` was read: a rotation after that is seen
+    # (None: unknown, the sender reads the file again before its first POST)
+    token_stamp: tuple[int, int, int] | None = None
     batch_size: int = 512
     interval_s: float = 0.2
     queue_size: int = 10_000
@@ -68,11 +72,13 @@ class ReporterConfig:
         batch_size = _integer(raw, "batch_size", defaults["batch_size"].default, 1, MAX_BATCH_SIZE)
         queue_size = _integer(raw, "queue_size", defaults["queue_size"].default, batch_size, 10_000_000)
         token_file = _readable_file(raw.get("token_file"), "token_file")
+        token_stamp = stamp(token_file)  # before the token: a later rotation changes it
         return cls(
             events_url=_url(raw["url"]),
             endpoint=_endpoint(raw.get("endpoint"), environ, namespace_file),
             token=None if token_file is None else read_token(token_file),
             token_file=token_file,
+            token_stamp=token_stamp,
             batch_size=batch_size,
             interval_s=_seconds(raw, "interval_s", defaults["interval_s"].default),
             queue_size=queue_size,
@@ -148,6 +154,18 @@ def read_token(path: str) -> str:
         raise ConfigError(f"mmcache-vllm: manager_config.token_file {path}: the token must be "
                           "visible ASCII characters without spaces")
     return tokens[0]
+
+
+def stamp(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a changed file: its inode, modification time and size (a Secret's
+    volume swaps a symlink, which ``stat`` follows)."""
+    if path is None:
+        return None
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 def _readable_file(path: Any, key: str) -> str | None:

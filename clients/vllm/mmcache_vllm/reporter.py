@@ -27,8 +27,10 @@ An idle engine runs no scheduling pass, so the sender takes the snapshot itself 
 scheduler thread has been outside the plugin's hooks for a whole interval: every hook
 bumps ``_activity`` on entry and on exit (odd while inside one), the sender copies the
 cache (one C-level dict copy, atomic under the GIL) and queues the marker, and if
-``_activity`` moved meanwhile it asks the scheduler thread for another snapshot, which
-supersedes its own.
+``_activity`` moved meanwhile it asks for another snapshot, which supersedes its own. The
+next scheduling pass takes that one; if none comes (the engine idles again), the sender takes
+it itself once the scheduler thread has again been outside the hooks for a whole interval.
+Until one of them has, ``resync_pending`` stays true.
 
 At a clean exit of vLLM's process (``close``, run by multiprocessing's exit handlers) the
 reporter sends ``cleared``: the engine's cache is gone with it. The token file is read
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import ssl
 import threading
 import time
@@ -47,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .config import ConfigError, ReporterConfig, read_token
+from .config import ConfigError, ReporterConfig, read_token, stamp
 from .transport import EventsConnection
 
 __all__ = ["Counters", "EngineEventReporter", "Item", "LOGGER_NAME"]
@@ -166,12 +167,11 @@ class EngineEventReporter:
         self._reported_errors = 0
         self._headers = {"Content-Type": "application/json"}
         self._token = config.token
-        self._token_stamp = _stamp(config.token_file)
+        self._token_stamp = config.token_stamp  # of the file as it was before the token was read
         if config.token is not None:
             self._headers["Authorization"] = f"Bearer {config.token}"
-        context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
-
-        self._connection = EventsConnection(config.events_url, config.timeout_s, context)
+        self._context = ssl.create_default_context(cafile=config.ca_file) if config.ca_file else None
+        self._connection = EventsConnection(config.events_url, config.timeout_s, self._context)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmcache-vllm-reporter", daemon=True)
 
@@ -243,8 +243,12 @@ class EngineEventReporter:
             refused=self._refused,
             posts_ok=self._posts_ok, posts_failed=self._posts_failed, resyncs=self._resyncs,
             errors=self._scheduler_errors + self._sender_errors, queue_length=len(self._queue),
-            resync_pending=self._lost or self._dirty or self._resync_left > 0
+            resync_pending=self._lost or self._dirty or self._resync_left > 0 or self._owed()
             or self._markers_queued + self._sender_markers != self._markers_taken)
+
+    def _owed(self) -> bool:
+        """A snapshot was asked for that neither thread has taken yet."""
+        return self._requests not in (self._requests_served, self._served_by_sender)
 
     def start(self) -> None:
         """Starts the sender thread; says the effective settings once."""
@@ -262,13 +266,29 @@ class EngineEventReporter:
 
     def close(self) -> None:
         """Stops the sender and sends ``cleared`` once: vLLM's process is exiting, and the
-        engine's cache goes with it. Runs once; nothing after ``stop``."""
+        engine's cache goes with it. Runs once; nothing after ``stop``.
+
+        The sender may still be inside a POST after ``timeout_s`` (each socket wait is
+        bounded, the whole answer is not): this thread waits for it up to ``timeout_s``
+        once more, so that ``cleared`` comes after the batch it is sending, and then posts
+        on a connection of its own. The sender's connection and headers stay the sender's
+        while it lives."""
         if self._closed:
             return
         self.stop(self.config.timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(self.config.timeout_s)
         try:
-            self._refresh_token()
-            status, reason = self._post([_CLEARED])
+            if self._thread.is_alive():
+                headers = dict(self._headers)
+            else:  # the sender has ended: what it wrote is this thread's now
+                self._refresh_token()
+                headers = self._headers
+            connection = EventsConnection(self.config.events_url, self.config.timeout_s, self._context)
+            try:
+                status, reason = self._post([_CLEARED], connection, headers)
+            finally:
+                connection.close()
         except Exception as exc:  # exiting: say it, never raise
             status, reason = None, f"{type(exc).__name__}: {exc}"
         if status == 202:
@@ -306,6 +326,8 @@ class EngineEventReporter:
             elif self._asked:
                 self._resync_if_idle()
             return False
+        if self._owed():  # the scheduler thread ran while the sender copied: it takes another
+            self._resync_if_idle()
         if not self._outbox:
             return False
         batch = [self._outbox.popleft() for _ in range(min(self._batch_size, len(self._outbox)))]
@@ -369,7 +391,8 @@ class EngineEventReporter:
 
     def _resync_if_idle(self) -> None:
         """Takes the snapshot asked for on this thread when the scheduler thread has been
-        outside the hooks since the previous wake (no scheduling pass would take it)."""
+        outside the hooks since the previous wake (no scheduling pass would take it): after
+        a loss, or when its own previous copy raced a hook."""
         activity = self._activity
         idle = activity % 2 == 0 and activity == self._seen_activity
         self._seen_activity = activity
@@ -385,10 +408,10 @@ class EngineEventReporter:
     def _refresh_token(self) -> None:
         """Reads the token file again when it changed since it was last read (a Secret
         rotated in place); a file without a token leaves the previous one in use."""
-        stamp = _stamp(self.config.token_file)
-        if stamp == self._token_stamp or self.config.token_file is None:
+        now = stamp(self.config.token_file)
+        if now == self._token_stamp or self.config.token_file is None:
             return
-        self._token_stamp = stamp
+        self._token_stamp = now
         try:
             token = read_token(self.config.token_file)
         except ConfigError as exc:
@@ -439,13 +462,16 @@ class EngineEventReporter:
         self._warn(f"mmcache-vllm: events not delivered to {self.config.events_url}: {reason}; "
                    f"{self.counters().dropped} items dropped so far, resyncing when it answers again")
 
-    def _post(self, batch: list[tuple]) -> tuple[int | None, str]:
+    def _post(self, batch: list[tuple], connection: EventsConnection | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int | None, str]:
         """POSTs one batch: the answer's status (None without one) and what it said
-        (never the token). Only 202 means mmcache took it."""
+        (never the token). Only 202 means mmcache took it. The sender's own connection
+        and headers unless others are given (``close``)."""
         body = json.dumps({"endpoint": self.config.endpoint, "engine": "vllm", "events": _events(batch)},
                           separators=(",", ":")).encode()
+        connection = self._connection if connection is None else connection
         try:  # over one kept-alive connection (``transport``); a 3xx is never followed
-            answer = self._connection.post(body, self._headers, MAX_ANSWER_BYTES)
+            answer = connection.post(body, self._headers if headers is None else headers, MAX_ANSWER_BYTES)
         except Exception as exc:  # refused, reset, timed out, bad status line, TLS
             reason = getattr(exc, "reason", None)
             return None, f"{type(exc).__name__}: {reason if reason is not None else exc}"
@@ -476,18 +502,6 @@ class EngineEventReporter:
             if token:
                 message = message.replace(token, "***")
         log.log(level, message)
-
-
-def _stamp(path: str | None) -> tuple[int, int, int] | None:
-    """What tells a changed file: its inode, modification time and size (a Secret's
-    volume swaps a symlink, which ``stat`` follows)."""
-    if path is None:
-        return None
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_ino, status.st_mtime_ns, status.st_size
 
 
 def _reportable(mm_hash: object) -> bool:

@@ -4,9 +4,17 @@ A new TCP (and TLS) connection per batch costs a handshake (a TLS one: a few rou
 and the key exchange's CPU) every ``interval_s``; the sender thread keeps one connection
 instead (stdlib ``http.client``, as vLLM's image has nothing more). It is closed and opened
 again after any error, a timeout (a late answer must not be read as the next POST's), an
-answer not read to its end, or the server's ``Connection: close``. A POST that fails on a
-connection that had already served one, before any byte of an answer came (the server
-closed it while idle), is sent once more on a new connection: the server had not read it.
+answer not read to its end, or the server's ``Connection: close``; and before a POST when
+it has been idle longer than ``MAX_IDLE_S``, under mmcache's keep-alive timeout (75 s), so
+that the server rarely closes a connection just as a POST goes out on it.
+
+A POST that fails on a connection that had already served one, before any byte of an
+answer came, is sent once more on a new connection. Mostly the server had closed the
+connection while it was idle and never read the POST; but a server that read it, applied
+it and then went away without answering (killed, or its shutdown's grace ran out) fails
+the same way, and then the service applies the batch twice, back to back. Engine events
+applied twice back to back leave the view as applied once, except at the view's bound (a
+full view may end different); closing idle connections early keeps that case rare.
 
 Proxies are taken from the environment as urllib takes them (``HTTP_PROXY``,
 ``HTTPS_PROXY``, ``NO_PROXY``): a plain URL through the proxy, an ``https://`` one through
@@ -19,13 +27,18 @@ import base64
 import http.client
 import socket
 import ssl
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-__all__ = ["Answer", "EventsConnection"]
+__all__ = ["Answer", "EventsConnection", "MAX_IDLE_S"]
 
-# errors of a kept connection the server closed while it was idle: the POST was not read
+# a kept connection idle longer is closed before the next POST: mmcache's server closes one
+# idle for 75 s (KEEPALIVE_S), and a POST crossing that close is sent again (see above)
+MAX_IDLE_S = 60.0
+
+# errors of a kept connection the server closed: mostly while it was idle, the POST unread
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
@@ -52,12 +65,16 @@ class EventsConnection:
         self.timeout_s = timeout_s
         self.context = context if context is not None or not self.https else ssl.create_default_context()
         self.opened = 0  # connections opened so far
+        self.max_idle_s = MAX_IDLE_S
         self._connection: http.client.HTTPConnection | None = None
         self._served = 0  # answers read on the current connection
+        self._answered_at = 0.0  # monotonic time of the current connection's last answer
 
     def post(self, body: bytes, headers: dict[str, str], max_answer_bytes: int) -> Answer:
         """The answer to one POST; raises ``OSError`` or ``http.client.HTTPException`` when
         there is none (the connection is then closed, the next POST opens another)."""
+        if self._connection is not None and time.monotonic() - self._answered_at > self.max_idle_s:
+            self.close()
         for attempt in (1, 2):
             reused = self._connection is not None and self._served > 0
             try:
@@ -84,6 +101,7 @@ class EventsConnection:
         answer = connection.getresponse()
         data = answer.read(max_answer_bytes)
         self._served += 1
+        self._answered_at = time.monotonic()
         if not answer.isclosed():  # more than we read: the connection cannot take another POST
             self.close()
         elif answer.will_close:
