@@ -34,6 +34,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -178,7 +179,8 @@ def compact(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
     changelog offset partition p's table file holds (its tombstones up to there go).
     ``killed``: the last run was killed, so each changelog is first cut after its last
     applied record whose event the kept events hold (``applied_prefix``: what follows may
-    hold entries of events the kept log lost, written just before the kill)."""
+    hold entries of events the kept log lost, written just before the kill). Every file is
+    scanned before any is rewritten, so a damaged one (``CorruptLog``) leaves all as they were."""
     for leftover in files.root.glob(f"*/*.log{COMPACTING_SUFFIX}"):
         leftover.unlink()  # a rewrite a kill interrupted: the old file is whole
     topics = files.topics()
@@ -201,32 +203,44 @@ def compact(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
         dropped[name] = dropped.get(name, 0) + plan.dropped
         plans[(name, partition)] = to_broker
 
-    for name, spec in topics.items():
-        if spec.get("applied_offsets_of") is not None:
-            continue
-        changelog = changelogs.get(name)
-        for partition in range(int(spec["partitions"])):
-            with mapped(files.partition_path(name, partition)) as events:
-                frames, length = scan(events, path=files.partition_path(name, partition))
+    with ExitStack() as maps:
+        # every file is scanned before any is rewritten: a damaged one (CorruptLog) refuses
+        # the whole compaction with nothing changed, as its message says; the maps stay
+        # open and the frames are kept for the rewrites, so no CRC is computed twice
+        scanned: dict[tuple[str, int], tuple[bytes | mmap.mmap, list[Frame], int]] = {}
+        for name, spec in topics.items():
+            for partition in range(int(spec["partitions"])):
+                path = files.partition_path(name, partition)
+                data = maps.enter_context(mapped(path))
+                # the changelog's values say what is applied; compaction needs keys only
+                changelog_file = spec.get("applied_offsets_of") is not None
+                frames, length = (scan(data, lambda key: True, path) if changelog_file
+                                  else scan(data, path=path))
+                scanned[(name, partition)] = (data, frames, length)
+
+        for name, spec in topics.items():
+            if spec.get("applied_offsets_of") is not None:
+                continue
+            changelog = changelogs.get(name)
+            for partition in range(int(spec["partitions"])):
+                events, frames, length = scanned[(name, partition)]
                 if changelog is None:  # dead letters
                     retain(name, partition, events, frames, length, None)
                     continue
                 # the changelog first: it says what is applied, and so what to keep of these
-                path = files.partition_path(changelog, partition)
-                with mapped(path) as data:
-                    records, whole = scan(data, lambda key: True, path)
-                    unfinished = 0
-                    if killed:
-                        keep = applied_prefix(records, frames[-1].offset + 1 if frames else 0, applied_at)
-                        unfinished, records = len(records) - keep, records[:keep]
-                        cut += unfinished
-                    kept = compact_changelog(records, tombstones_through(partition), admit)
-                    applied = max((found for frame in kept
-                                   if (found := applied_at(frame.key, frame.value)) is not None), default=-1)
-                    if unfinished or len(kept) < len(records) or whole < len(data):
-                        rewrite(path, data, kept)
-                        kept = relocate(kept, kept)
-                        whole = kept[-1].end if kept else 0
+                data, records, whole = scanned[(changelog, partition)]
+                unfinished = 0
+                if killed:
+                    keep = applied_prefix(records, frames[-1].offset + 1 if frames else 0, applied_at)
+                    unfinished, records = len(records) - keep, records[:keep]
+                    cut += unfinished
+                kept = compact_changelog(records, tombstones_through(partition), admit)
+                applied = max((found for frame in kept
+                               if (found := applied_at(frame.key, frame.value)) is not None), default=-1)
+                if unfinished or len(kept) < len(records) or whole < len(data):
+                    rewrite(files.partition_path(changelog, partition), data, kept)
+                    kept = relocate(kept, kept)
+                    whole = kept[-1].end if kept else 0
                 files.remember(changelog, partition, whole, kept[-1].offset + 1 if kept else 0)
                 dropped[changelog] = dropped.get(changelog, 0) + len(records) - len(kept)
                 plans[(changelog, partition)] = kept

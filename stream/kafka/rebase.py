@@ -21,6 +21,11 @@ the follower, the probe, the publisher) reconnects to "the same" log: the group 
 again (the new broker has no group), and the consumer, whose committed offsets are gone,
 starts at the first record the broker holds, at or after what the view has applied.
 `/v1/match` answers from the view throughout.
+
+A damaged kept log (``CorruptLog``: a bad record with whole ones after it) does not heal:
+a rebase or recovery that meets it leaves the broker stopped and the files as they were,
+keeps the error (``EmbeddedCluster.damaged``, said by ``problem``) and is not tried again;
+matches are answered, writes get 503, until the operator stops `serve` and repairs the file.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from stream.kafka.embedded import EmbeddedBroker
-from stream.kafka.embedded_log import AppliedAt, EmbeddedLog, Journal, RestoreFailed
+from stream.kafka.embedded_log import AppliedAt, CorruptLog, EmbeddedLog, Journal, RestoreFailed
 from stream.kafka.log_cleaner import Admit, Retention, compact, now_ms
 
 __all__ = ["EmbeddedCluster", "RebasedWorker"]
@@ -89,6 +94,8 @@ class EmbeddedCluster:
         self.last_rebase_s: float | None = None
         self.in_progress = False
         self._rebasing = False
+        #: The damage a rebase met (the broker is left stopped; nothing is tried again).
+        self.damaged: CorruptLog | None = None
 
     def start_journal(self) -> Journal:
         """Start tailing the broker into the files (``Journal``)."""
@@ -116,17 +123,27 @@ class EmbeddedCluster:
 
     async def wait_stored(self, topic: str, positions: list[tuple[int, int]]) -> None:
         """The current journal's ``Journal.wait_stored``."""
+        if self.damaged is not None:
+            raise OSError(self._damage())
         if self.journal is None:
             raise OSError("the embedded broker's log is not kept right now")
         await self.journal.wait_stored(topic, positions)
 
     def problem(self) -> str | None:
-        """The current journal's ``Journal.problem`` (none while a rebase swaps it)."""
+        """The current journal's ``Journal.problem`` (none while a rebase swaps it), or
+        the damage a rebase met, in one line."""
+        if self.damaged is not None:
+            return self._damage()
         if self._rebasing:
             return None
         if self.journal is None:
             return "the embedded broker's log is not kept: its journal is not running"
         return self.journal.problem()
+
+    def _damage(self) -> str:
+        return (f"the embedded broker's kept log is damaged, so the broker was not started again "
+                f"after a rebase; matches are answered, writes get 503 and nothing is tried again "
+                f"until serve is stopped and the file repaired: {self.damaged}")
 
     def drain(self, timeout: float) -> bool:
         """The current journal's ``Journal.drain``."""
@@ -141,7 +158,9 @@ class EmbeddedCluster:
     async def rebase(self, worker: RebasedWorker, settle_s: float = SETTLE_S) -> bool:
         """Start the broker again on the compacted log (the module's steps); False (and
         nothing changed) when the worker or the journal did not settle within
-        ``settle_s`` (writes are held that long at most: the caller tries again later)."""
+        ``settle_s`` (writes are held that long at most: the caller tries again later).
+        ``CorruptLog`` (kept in ``damaged``): the broker is left stopped, the files as they
+        were; not to be tried again."""
         self.in_progress = True
         try:
             return await self._rebase(worker, settle_s)
@@ -185,10 +204,14 @@ class EmbeddedCluster:
                 # waits for open connections on SIGTERM, ~5 s)
                 self.broker.stop(timeout=0.1)
                 step("broker stopped")
-                plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
-                                                worker.tombstones_through, self.retention, now_ms())
-                step("log compacted")
-                restored = await self._restart_broker(plans)
+                try:
+                    plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+                                                    worker.tombstones_through, self.retention, now_ms())
+                    step("log compacted")
+                    restored = await self._restart_broker(plans)
+                except CorruptLog as exc:
+                    self.damaged = exc
+                    raise
                 step("log restored, journal started")
             finally:
                 self._rebasing = False
@@ -212,12 +235,17 @@ class EmbeddedCluster:
 
     async def recover(self) -> None:
         """After a rebase that could not start the broker again: start it on the files
-        (whole: compaction only renames whole files over them) and its journal."""
-        if self.journal is not None:
+        (whole: compaction only renames whole files over them) and its journal. Not after
+        damage (``damaged``): it does not heal; ``CorruptLog`` is kept there too."""
+        if self.journal is not None or self.damaged is not None:
             return
-        plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
-                                        lambda partition: -1, self.retention, now_ms())
-        await self._restart_broker(plans)
+        try:
+            plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+                                            lambda partition: -1, self.retention, now_ms())
+            await self._restart_broker(plans)
+        except CorruptLog as exc:
+            self.damaged = exc
+            raise
         log.warning("the embedded broker runs again on its kept log; writes go on")
 
     async def _restart_broker(self, plans: dict[tuple[str, int], Any]) -> dict[str, int]:

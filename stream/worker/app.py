@@ -37,6 +37,7 @@ from stream.http.server import HttpServer, tls_context
 from stream.kafka import fetch_gate
 from stream.kafka.clients import client_options, faust_credentials
 from stream.kafka.dead_letters import DeadLetterWriter
+from stream.kafka.embedded_log import CorruptLog
 from stream.kafka.log_probe import EventLogProbe
 from stream.kafka.publisher import EventPublisher
 from stream.kafka.rebase import EmbeddedCluster, RebasedWorker
@@ -159,7 +160,8 @@ class _RebasedWorker:
 class RebaseService(mode.Service):
     """Starts the embedded broker again on its compacted log whenever the journal has
     written ``every_bytes`` since the broker's last start (``stream.kafka.rebase``); a
-    rebase put off or failed is tried again later, each time after twice the wait."""
+    rebase put off or failed is tried again later, each time after twice the wait; one that
+    met a damaged log (``CorruptLog``) is not: the operator must act (``problem`` says so)."""
 
     def __init__(self, cluster: EmbeddedCluster, every_bytes: int, worker: RebasedWorker,
                  check_s: float = 1.0, **kwargs: Any) -> None:
@@ -187,6 +189,10 @@ class RebaseService(mode.Service):
                 if await self.cluster.rebase(self.worker):
                     backoff = REBASE_RETRY_S
                     continue
+            except CorruptLog as exc:  # damage does not heal: nothing is tried again
+                log.error("the embedded broker was not started again on its kept log, and will not "
+                          "be: %s", exc)
+                return
             except Exception:  # writes get 503 and /readyz says why until it is recovered
                 log.exception("the embedded broker could not be started again on its compacted log")
             await asyncio.sleep(backoff)

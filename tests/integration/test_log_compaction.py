@@ -345,3 +345,51 @@ def test_the_broker_is_started_again_on_its_compacted_log_while_writes_go_on(ser
     # the kept events fold to the live state (the retention kept them all)
     digest = _replayed_digest(data, 20)
     eventually(lambda: again.settled_digest() == digest, timeout=READY_TIMEOUT_S)
+
+
+def test_a_rebase_that_meets_a_damaged_log_says_so_in_readyz_and_is_not_tried_again(serves, tmp_path):  # noqa: F811
+    """A record damaged in the middle of a kept file (not a kill's torn tail) while serve
+    runs: the next rebase leaves the broker stopped; /readyz's reason is the one line naming
+    the file, the byte and what to do; matches are answered, writes get 503; and damage
+    not healing, nothing is tried again (the retry would come REBASE_RETRY_S later)."""
+    from stream.kafka.embedded_log import mapped
+    from stream.worker.app import REBASE_RETRY_S
+
+    service = serves(tmp_path / "data", env={"MMCACHE_EMBEDDED_REBASE_BYTES": "20000"})
+    early = [f"h-early-{i}" for i in range(5)]
+    for digest in early:
+        _place(service, "ns/pod-0", digest)
+    root = tmp_path / "data" / "v1" / "log"
+    path = next(p for p in sorted((root / "mmcache-events").glob("*.log")) if p.stat().st_size)
+    with mapped(path) as data:
+        frames, _ = scan(data)
+    assert len(frames) >= 3
+    with open(path, "r+b") as handle:  # the second record's last byte: its CRC no longer holds
+        handle.seek(frames[1].end - 1)
+        last = handle.read(1)
+        handle.seek(frames[1].end - 1)
+        handle.write(bytes([last[0] ^ 0xFF]))
+    at = frames[1].start
+
+    def reason() -> str:  # whatever the status: the view still answers /v1/match
+        answer = service.probe("/readyz")
+        return "" if answer is None else str(answer[1].get("reason", ""))
+
+    for n in range(2000):  # until a rebase meets the damage
+        body = {"request_id": f"later-{n}", "endpoints": [f"ns/pod-{1 + n % 7}"],
+                "items": [{"hash": f"later-{n}", "size": 1, "modality": "image"}]}
+        if http("POST", service.url + "/v1/placements", body)[0] == 503:
+            break
+    eventually(lambda: "is damaged" in reason(), timeout=READY_TIMEOUT_S, interval=0.2)
+    said = reason()
+    assert "\n" not in said and str(path) in said and f"byte {at}" in said, said
+    assert "nothing is tried again" in said and f"truncate -s {at} {path}" in said, said
+    assert sorted(_held(service, "ns/pod-0", early)) == sorted(early)  # matches answered
+    body = {"request_id": "refused", "endpoints": ["ns/pod-0"],
+            "items": [{"hash": "refused", "size": 1, "modality": "image"}]}
+    assert http("POST", service.url + "/v1/placements", body)[0] == 503
+    time.sleep(REBASE_RETRY_S + 5)  # past the first retry of a failed rebase
+    assert "is damaged" in reason()
+    tries = [line for line in service.log().splitlines() if "ERROR stream.worker.app" in line]
+    assert len(tries) == 1 and "is damaged" in tries[0], tries  # one rebase, in one line
+    assert _metrics(service).get("mmcache_embedded_rebases_total") == 0

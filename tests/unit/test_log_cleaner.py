@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream.core.lru import Entry
-from stream.kafka.embedded_log import COMPACTING_SUFFIX, EmbeddedLog, LogRecord, encode_frame, scan
+from stream.kafka.embedded_log import (
+    COMPACTING_SUFFIX,
+    CorruptLog,
+    EmbeddedLog,
+    LogRecord,
+    encode_frame,
+    scan,
+)
 from stream.kafka.log_cleaner import (
     Retention,
     compact,
@@ -247,3 +254,31 @@ def test_compaction_keeps_what_the_gate_admits_whatever_is_written_again(batches
     for through in (-1, 2**62):
         kept = {f.offset for f in compact_changelog(frames, through, admit_changelog)}
         assert _gated_table([r for r in records if r.offset in kept]) == _gated_table(records)
+
+
+def test_a_damaged_partition_refuses_the_compaction_before_any_file_is_rewritten(tmp_path):
+    """CorruptLog says "nothing was changed": so a damaged file of a later partition must
+    stop the compaction before an earlier partition (with a torn tail to cut, superseded
+    changelog records and events past the retention) is rewritten."""
+    files = EmbeddedLog(tmp_path / "log")
+    files.create(CLUSTER)
+    files.record_topics({"app-events": (2, {}), "app-dead-letters": (2, {})})
+    files.record_topics({"app-changelog": (2, {})}, changelogs={"app-changelog": "app-events"})
+    changelog = [LogRecord(0, 1, 0, KEY, _entry(1, 0)), LogRecord(1, 1, 0, APPLIED_KEY, encode_applied(1)),
+                 LogRecord(2, 1, 0, KEY, _entry(3, 0)), LogRecord(3, 1, 0, APPLIED_KEY, encode_applied(3))]
+    whole = _file(changelog)
+    for partition in range(2):
+        files.partition_path("app-events", partition).write_bytes(_file(_events(6)) + b"\x00\x00\x01")
+        files.partition_path("app-dead-letters", partition).write_bytes(_file(_events(3)) + b"\x07")
+    files.partition_path("app-changelog", 0).write_bytes(whole + b"\x00\x00\x00\x09torn")
+    damaged = bytearray(whole)
+    damaged[len(encode_frame(changelog[0])) + 20] ^= 0xFF  # the second record, whole ones after it
+    files.partition_path("app-changelog", 1).write_bytes(bytes(damaged))
+    before = {path: path.read_bytes() for path in files.root.glob("*/*.log")}
+    assert len(before) == 6
+
+    with pytest.raises(CorruptLog, match="nothing was changed"):
+        compact(files, applied_at, admit_changelog, lambda partition: 2**62, Retention(ms=-1, bytes=1),
+                10**15, killed=True)
+    assert {path: path.read_bytes() for path in files.root.glob("*/*.log")} == before
+    assert not list(files.root.glob(f"*/*{COMPACTING_SUFFIX}"))
