@@ -80,7 +80,8 @@ def effective_configuration(resolved: Resolved, bootstrap: str, embedded: bool,
         "max lag " + ("off" if settings.max_lag_events is None else f"{settings.max_lag_events} events"),
         f"match source {settings.match_source}, engine views of at most "
         f"{settings.engine_view_max_entries} entries",
-        f"limits body {limits.max_body_bytes} bytes, {limits.max_endpoints} endpoints, "
+        f"limits body {limits.max_body_bytes} bytes and {limits.max_body_values} JSON values, "
+        f"{limits.max_endpoints} endpoints, "
         f"{limits.max_placement_endpoints} per placement, {limits.max_total_endpoints} in the view, "
         f"{limits.max_items} items, {limits.max_endpoint_chars} chars a name, "
         f"{limits.max_hash_chars} a hash, {limits.max_modality_chars} a modality, "
