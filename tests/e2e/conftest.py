@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.polling import eventually
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("MMCACHE_E2E_MODEL", REPO / ".e2e" / "tiny-qwen2-vl"))
 SERVE_PYTHON = os.environ.get("MMCACHE_E2E_SERVE_PYTHON", str(REPO / ".venv" / "bin" / "python"))
@@ -54,19 +56,6 @@ def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> tup
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode(errors="replace")
-
-
-def eventually(check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.1) -> Any:
-    """Polls ``check`` until it returns something truthy; fails after ``timeout`` seconds
-    (a bound on what the condition is about, never on a start-up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s (last: {result!r})")
-        time.sleep(interval)
 
 
 def wait_until_up(process: subprocess.Popen[bytes], probe: Callable[[], bool], log: Path) -> None:

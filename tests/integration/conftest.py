@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from stream.kafka.embedded import EmbeddedBroker, free_port
+from tests.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -91,18 +92,6 @@ def http(method: str, url: str, body: Any = None, raw: bytes | None = None) -> t
         return status, json.loads(payload)
     except ValueError:
         return status, payload.decode()
-
-
-def eventually(check: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05) -> Any:
-    """Poll until ``check`` returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {result!r})")
-        time.sleep(interval)
 
 
 class Service:
