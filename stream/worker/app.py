@@ -63,6 +63,7 @@ from stream.worker.table_mirror import (
     Mirror,
     StateNotStored,
     StateWrites,
+    TableMemory,
     TableMirror,
     gate_changelog_restore,
     refuse_unwritable_state,
@@ -352,6 +353,7 @@ def build_worker(
         metrics.log_fetches = lambda: fetch_gate.GATE.sent
     metrics.registry.register(readiness)
     metrics.registry.register(state_writes)
+    metrics.registry.register(TableMemory(table.data))
     if embedded_cluster is not None:
         metrics.registry.register(embedded_cluster)
     mirror = TableMirror(app, table, state_writes, marks)
