@@ -73,6 +73,14 @@ def test_a_line_the_reader_cannot_use_is_skipped(line: str, load: int) -> None:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+
+async def _until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Until ``condition`` holds (a scrape every 0.02 s here), failing after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.01)
+
 @asynccontextmanager
 async def _server(routes: dict[str, Handler]) -> AsyncIterator[str]:
     """An aiohttp server on a free port answering ``routes`` (path -> handler): its base URL."""
@@ -141,13 +149,11 @@ def test_the_scraper_outlives_an_answer_it_cannot_read_and_stop_closes_the_sessi
             await gateway.start()
             assert gateway._loads() == [7]
             monkeypatch.setattr("stream.gateway.gateway.scraped_load", _raises)
-            await asyncio.sleep(0.2)
+            await _until(lambda: gateway.counters.scrape_failures > 0)
             assert gateway._scraper is not None and not gateway._scraper.done()
-            assert gateway.counters.scrape_failures > 0
             monkeypatch.undo()
             answers["now"] = (200, "vllm:num_requests_running 1\n")
-            await asyncio.sleep(0.2)
-            assert gateway._loads() == [1]
+            await _until(lambda: gateway._loads() == [1])
             sessions = (gateway._session, gateway._forwarding)
             await gateway.stop()
             assert all(session is not None and session.closed for session in sessions)
