@@ -178,6 +178,10 @@ INTERNALS: tuple[Internal, ...] = (
     _aiokafka("aiokafka.protocol.metadata", "MetadataRequest", "stream.kafka.tansu", "asks the cluster's id"),
     _aiokafka("aiokafka.client", "MetadataRequest", "stream.kafka.tansu",
               "replaced for serve's own broker: metadata requests that create no topic"),
+    # -- aiokafka: a connection on uvloop (stream.event_loop) --
+    _aiokafka("aiokafka.conn.AIOKafkaConnection", "send", "stream.event_loop",
+              "wrapped: uvloop's RuntimeError for a closed transport made a broken connection"),
+    _aiokafka("aiokafka.conn", "CloseReason", "stream.event_loop", "why that connection is closed"),
     # -- aiokafka: a kept log given back at its own offsets (stream.kafka.batches) --
     _aiokafka("aiokafka.record.default_records", "DefaultRecordBatchBuilder", "stream.kafka.batches",
               "builds record batches whose offset deltas keep the gaps compaction left"),
