@@ -250,7 +250,7 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
     dir built against another cluster. Returns them as an ``EmbeddedCluster`` (its journal
     not started yet: the topics are made first)."""
     from stream.kafka.embedded_log import CorruptLog, EmbeddedLog
-    from stream.kafka.log_cleaner import Retention, compact, now_ms
+    from stream.kafka.log_cleaner import Retention, compact_apart, now_ms
     from stream.kafka.rebase import EmbeddedCluster
     from stream.state.store import admit_changelog, applied_at
 
@@ -269,7 +269,7 @@ def _start_embedded(loop: asyncio.AbstractEventLoop, datadir: Any, settings: Set
 
             def compact_kept() -> dict[tuple[str, int], Any]:
                 # killed: its table files are dropped (claim), its changelog cut first
-                return compact(log_files, applied_at, admit_changelog,
+                return compact_apart(log_files, applied_at, admit_changelog,
                                _tombstones_through(datadir, killed), retention, now_ms(), killed)
 
             starting.reason = "compacting the embedded broker's kept log"

@@ -103,6 +103,10 @@ class CorruptLog(ValueError):
             f"that byte on with 'truncate -s {at} {where}' and start again")
         self.path, self.at, self.following, self.next_offset = path, at, following, next_offset
 
+    def __reduce__(self) -> tuple[type[CorruptLog], tuple[Path | str | None, int, int, int]]:
+        """Pickled by its fields: it crosses from the process that compacts (``compact_apart``)."""
+        return CorruptLog, (self.path, self.at, self.following, self.next_offset)
+
 
 @dataclass(frozen=True, slots=True)
 class LogRecord:
@@ -303,6 +307,10 @@ class EmbeddedLog:
         """Note what a whole read of a partition's file found (``open_for_append`` trusts
         it while the file has that length)."""
         self._known[(topic, partition)] = (length, next_offset)
+
+    def remembered(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """What ``remember`` was told: ``{(topic, partition): (length, next offset)}``."""
+        return dict(self._known)
 
     def exists(self) -> bool:
         """Whether the dir holds a kept log (its cluster file)."""

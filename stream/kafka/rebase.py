@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from stream.kafka.embedded import EmbeddedBroker
 from stream.kafka.embedded_log import AppliedAt, CorruptLog, EmbeddedLog, Journal, RestoreFailed
-from stream.kafka.log_cleaner import Admit, Retention, compact, now_ms
+from stream.kafka.log_cleaner import Admit, Retention, compact_apart, now_ms
 
 __all__ = ["EmbeddedCluster", "RebasedWorker"]
 
@@ -205,7 +205,7 @@ class EmbeddedCluster:
                 self.broker.stop(timeout=0.1)
                 step("broker stopped")
                 try:
-                    plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+                    plans = await asyncio.to_thread(compact_apart, self.files, self.applied_at, self.admit,
                                                     worker.tombstones_through, self.retention, now_ms())
                     step("log compacted")
                     restored = await self._restart_broker(plans)
@@ -240,7 +240,7 @@ class EmbeddedCluster:
         if self.journal is not None or self.damaged is not None:
             return
         try:
-            plans = await asyncio.to_thread(compact, self.files, self.applied_at, self.admit,
+            plans = await asyncio.to_thread(compact_apart, self.files, self.applied_at, self.admit,
                                             lambda partition: -1, self.retention, now_ms())
             await self._restart_broker(plans)
         except CorruptLog as exc:
