@@ -35,10 +35,12 @@ that matters, and a leftover ``.compacting`` file is removed at the next start.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -273,7 +275,8 @@ def compact_apart(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
     its ``CorruptLog`` is raised here."""
     partitions = max((int(spec["partitions"]) for spec in files.topics().values()), default=0)
     tombstones = {partition: tombstones_through(partition) for partition in range(partitions)}
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_die_with, initargs=(os.getpid(),)) as child:
         plans, known, records = child.submit(_compact_in_child, files.root, applied_at, admit,
                                              tombstones, retention, now, killed).result()
     for (topic, partition), (length, next_offset) in known.items():
@@ -281,6 +284,22 @@ def compact_apart(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
     for record in records:
         logging.getLogger(record.name).handle(record)
     return plans
+
+
+def _die_with(parent: int) -> None:
+    """The child ends with `serve`: one left over from a killed `serve` would go on
+    rewriting files that the next `serve` on the data dir compacts too (Linux: the parent's
+    death signal; elsewhere the child finishes its compaction, atomic file by file)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 class _Kept(logging.Handler):

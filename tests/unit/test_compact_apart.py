@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from stream.kafka.embedded_log import CorruptLog, EmbeddedLog, LogRecord, encode_frame
 from stream.kafka.log_cleaner import Retention, compact, compact_apart
 from stream.state.store import APPLIED_KEY, admit_changelog, applied_at, encode_applied
+from tests.polling import eventually
 
 CLUSTER = "mmcache-embedded-tansu-0123456789abcdef"
 
@@ -115,3 +117,61 @@ def test_the_callers_peak_memory_does_not_carry_the_compaction(tmp_path):
     print(f"peak RSS growth: compact {in_process} MiB, compact_apart {apart} MiB")
     assert in_process >= 100, in_process
     assert apart <= in_process / 4, (apart, in_process)
+
+
+def _stall(frames):
+    """An ``admit`` that never returns: the child is mid-compaction for as long as needed."""
+    while True:
+        time.sleep(60)
+
+
+_KILLED = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    sys.path[:0] = [{tests!r}, {root!r}]
+    from test_compact_apart import _kept_log, _log, _stall
+    from stream.kafka.log_cleaner import Retention, compact_apart
+    from stream.state.store import applied_at
+    files = _kept_log(Path({path!r}), *_log(10, 2))
+    print("compacting", flush=True)
+    compact_apart(files, applied_at, _stall, lambda p: 2**62, Retention(-1, -1), 10**15)
+""")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent's death signal is Linux's")
+def test_a_child_left_by_a_killed_serve_ends_at_once(tmp_path):
+    """Else it would go on rewriting files that the next `serve` compacts too."""
+    code = _KILLED.format(tests=str(Path(__file__).parent), root=str(Path(__file__).parents[2]),
+                          path=str(tmp_path / "log"))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == "compacting\n"
+        children = eventually(lambda: _children(parent.pid), timeout=120)
+        parent.kill()
+        parent.wait()
+        eventually(lambda: not any(_alive(child) for child in children), timeout=30)
+    finally:
+        parent.kill()
+        for child in _children(parent.pid):
+            subprocess.run(["kill", "-9", str(child)], check=False)
