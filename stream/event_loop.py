@@ -48,6 +48,8 @@ def _send_on_uvloop(self: AIOKafkaConnection, request: Any, expect_response: boo
     try:
         return _send(self, request, expect_response)
     except RuntimeError as exc:
+        if type(exc) is not RuntimeError:  # e.g. NotImplementedError: versions that do not match
+            raise
         self.close(reason=CloseReason.CONNECTION_BROKEN, exc=exc)
         raise KafkaConnectionError(f"Connection at {self.host}:{self.port} broken: {exc}") from exc
 

@@ -282,14 +282,17 @@ def compact_apart(files: EmbeddedLog, applied_at: AppliedAt, admit: Admit,
     for (topic, partition), (length, next_offset) in known.items():
         files.remember(topic, partition, length, next_offset)
     for record in records:
-        logging.getLogger(record.name).handle(record)
+        if (logger := logging.getLogger(record.name)).isEnabledFor(record.levelno):
+            logger.handle(record)
     return plans
 
 
 def _die_with(parent: int) -> None:
     """The child ends with `serve`: one left over from a killed `serve` would go on
     rewriting files that the next `serve` on the data dir compacts too (Linux: the parent's
-    death signal; elsewhere the child finishes its compaction, atomic file by file)."""
+    death signal; elsewhere the child finishes its compaction, atomic file by file). A
+    Ctrl-C reaches the whole process group: `serve` stops gracefully, the child goes on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiokafka.conn import create_conn
+from aiokafka.conn import AIOKafkaConnection, create_conn
 from aiokafka.errors import KafkaConnectionError
 from aiokafka.protocol.metadata import MetadataRequest
 
@@ -25,6 +25,8 @@ def _send_after_the_transport_closed(bootstrap: str) -> BaseException:
         connection = await create_conn(host, int(port))
         assert connection.connected()
         connection._writer.transport.close()  # what uvloop does when the peer goes away
+        await asyncio.sleep(0)  # uvloop closes the handle in its next turn ...
+        assert connection._writer is not None  # ... before aiokafka's reader closes the connection
         try:
             await connection.send(MetadataRequest([]))
         except BaseException as exc:  # noqa: BLE001 - what the caller would meet
@@ -46,5 +48,6 @@ def test_a_send_on_a_transport_uvloop_closed_is_a_retriable_connection_error(boo
 def test_without_the_wrapper_uvloop_raises_runtime_error(bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The finding, kept: the wrapper is what turns it into a connection error."""
     monkeypatch.setattr(event_loop, "_send_on_uvloop", event_loop._send)
+    monkeypatch.setattr(AIOKafkaConnection, "send", AIOKafkaConnection.send)  # restored after
     error = _send_after_the_transport_closed(bootstrap)
     assert isinstance(error, RuntimeError) and "closed" in str(error), repr(error)
