@@ -140,6 +140,8 @@ INTERNALS: tuple[Internal, ...] = (
     _faust(RECOVERY, "_build_offsets", "stream.worker.table_mirror",
            "wrapped per app: the restore gates made anew, the files behind their "
            "changelog caught up in bulk first"),
+    _faust(RECOVERY, "_build_highwaters", "stream.worker.table_mirror",
+           "asks the active changelog ends again while the log is being restored"),
     _faust(RECOVERY, "active_highwaters", "stream.worker.table_mirror",
            "each active changelog partition's last offset, built just before"),
     # -- the producer --

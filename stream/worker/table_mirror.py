@@ -63,6 +63,10 @@ RESERVE_BYTES = 1 << 20
 #: Changelog records a partition's catch-up writes at a time, the loop turning in
 #: between (~2 µs a record: a few ms).
 CATCH_UP_RECORDS = 2000
+#: How long a recovery waits for a changelog that ends below its files (log_holds_files),
+#: and how often it asks again.
+LOG_BEHIND_FILES_S = 30.0
+LOG_BEHIND_POLL_S = 0.2
 
 
 def check_room(path: Path, need: int) -> None:
@@ -541,6 +545,7 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
             changelog, highwaters = table.changelog_topic.get_topic_name(), recovery.active_highwaters
             log.info("recovery after a rebalance: changelog partitions %s",  # the assignment came
                      sorted(tp.partition for tp in tps if tp.topic == changelog))
+            await log_holds_files(consumer, tps, changelog, highwaters)
             behind = {}
             for tp in tps:
                 if tp.topic == changelog and tp.partition in store._dbs:
@@ -555,6 +560,31 @@ def gate_changelog_restore(table: Any, health: StateWrites | None = None,
                     log.warning("bulk catch-up of the changelog failed; Faust's restore reads "
                                 "the rest", exc_info=True)
         await build_offsets(consumer, tps, destination, title)
+
+    async def log_holds_files(consumer: Any, tps: Any, changelog: str, highwaters: Any) -> None:
+        """Wait while a changelog partition ends below the offset its file holds, asking
+        its end again, at most ``LOG_BEHIND_FILES_S``: Faust would take it for a lost log
+        (``ConsistencyError``) and the worker would crash. The embedded broker shows it
+        while a rebase gives it its log back, to a member that joined again first (its
+        session expired meanwhile: seen under load); past the bound Faust decides."""
+        deadline = time.monotonic() + LOG_BEHIND_FILES_S
+        said: set[int] = set()
+        while True:
+            ahead = {}
+            for tp in tps:
+                if tp.topic == changelog and tp.partition in store._dbs:
+                    held = store._db_for_partition(tp.partition).get(FAUST_OFFSET_KEY)
+                    end = highwaters.get(tp, 0)
+                    if held is not None and end and int(held) > end:  # Faust's own test
+                        ahead[tp.partition] = (int(held), end)
+            if not ahead or time.monotonic() > deadline:
+                return
+            if said != ahead.keys():
+                said = set(ahead)
+                log.info("changelog partitions end below what their files hold (partition: "
+                         "(file, log)) %s: the log is being restored, waiting", ahead)
+            await asyncio.sleep(LOG_BEHIND_POLL_S)
+            await recovery._build_highwaters(consumer, tps, highwaters, "active")
 
     async def catch_up(behind: dict[Any, tuple[int | None, int]], destination: Any) -> None:
         """Read these changelog partitions from where their files hold them up to, to

@@ -11,12 +11,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from faust.types import TP
 from rocksdict import Options, Rdict, WriteBatch
 
 from stream.core.cache import CacheState, Capacity
 from stream.core.events import ItemsPlaced, Position
 from stream.core.items import Item
-from stream.state.store import APPLIED_KEY, decode_applied, effect_records, encode_applied
+from stream.state.store import (
+    APPLIED_KEY,
+    FAUST_OFFSET_KEY,
+    decode_applied,
+    effect_records,
+    encode_applied,
+    encode_faust_offset,
+)
+from stream.worker import table_mirror
 from stream.worker.table_mirror import (
     StateWrites,
     TableMirror,
@@ -211,3 +220,45 @@ def test_the_restore_gates_are_made_anew_only_when_a_recovery_starts(tmp_path: P
     store.apply_changelog_batch([later], None, None)  # event 5, below the file's 7
     assert store.restored[-1] == []  # dropped by a gate made from the file, not the old one at 1
     db.close()
+
+
+def _recovery_with_a_log_restored_late(tmp_path: Path, ends: list[int]) -> tuple[Any, list[str], Any]:
+    """A store whose partition 0 file holds changelog offset 11398, and a recovery whose
+    changelog end is asked again and again, giving ``ends`` in turn (then the last)."""
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    db[FAUST_OFFSET_KEY] = encode_faust_offset(11398)
+    store = _Store(db, refusals=0)
+    store._dbs[0] = db
+    tp = TP("c", 0)
+    calls: list[str] = []
+
+    async def build_highwaters(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        calls.append("highwaters")
+        destination[tp] = ends[min(calls.count("highwaters"), len(ends) - 1)]
+
+    async def build_offsets(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        calls.append(f"offsets at end {recovery.active_highwaters[tp]}")
+
+    recovery = SimpleNamespace(_build_offsets=build_offsets, _build_highwaters=build_highwaters,
+                               active_highwaters={tp: ends[0]})
+    table = SimpleNamespace(data=store, app=SimpleNamespace(tables=SimpleNamespace(recovery=recovery)),
+                            changelog_topic=SimpleNamespace(get_topic_name=lambda: "c"))
+    gate_changelog_restore(table, StateWrites(), open_consumer=lambda: None)
+    return recovery, calls, lambda: asyncio.run(recovery._build_offsets(None, {tp}, {}, "active"))
+
+
+def test_a_recovery_waits_for_a_changelog_that_ends_below_its_files(tmp_path: Path, monkeypatch) -> None:
+    """The embedded broker being given its log back in a rebase, to a member that joined
+    again first: the end read was -1 (Faust's ConsistencyError, 11398 > -1, crashed serve)."""
+    monkeypatch.setattr(table_mirror, "LOG_BEHIND_POLL_S", 0.001)
+    recovery, calls, recover = _recovery_with_a_log_restored_late(tmp_path, [-1, -1, 5000, 11400])
+    recover()
+    assert calls == ["highwaters"] * 3 + ["offsets at end 11400"]
+
+
+def test_past_the_bound_the_recovery_goes_on_and_faust_decides(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(table_mirror, "LOG_BEHIND_POLL_S", 0.001)
+    monkeypatch.setattr(table_mirror, "LOG_BEHIND_FILES_S", 0.05)
+    _, calls, recover = _recovery_with_a_log_restored_late(tmp_path, [-1])
+    recover()
+    assert calls[-1] == "offsets at end -1" and calls.count("highwaters") >= 1
