@@ -46,6 +46,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from stream.kafka import fetch_gate
+from stream.kafka.tansu import FETCH_BYTES
 
 __all__ = ["CLUSTER_FILE", "COMPACTING_SUFFIX", "LOG_DIR_NAME", "CorruptLog", "EmbeddedLog", "Frame",
            "Journal",
@@ -544,7 +545,8 @@ class Journal:
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=None,
                                     enable_auto_commit=False, auto_offset_reset="earliest",
                                     fetch_max_wait_ms=JOURNAL_FETCH_WAIT_MS,
-                                    max_partition_fetch_bytes=16 * 1024 * 1024)
+                                    fetch_max_bytes=FETCH_BYTES,
+                                    max_partition_fetch_bytes=FETCH_BYTES)
         self._consumer = consumer
         await consumer.start()
         try:

@@ -15,6 +15,14 @@ Measured deviations from Kafka and what is done here about them:
    for minutes; reproduced in 10 of 12 tries, ``tests/integration/test_tansu_group_leave.py``).
    Members that stop do not leave: each expires after its session timeout (2 s on the
    embedded broker), and the group forms again without them.
+4. A fetch's per-partition limit (``max_partition_fetch_bytes``) is not applied: a
+   partition's answer carries up to about the request's ``fetch_max_bytes`` plus one
+   record batch (measured: 6 MiB a partition under aiokafka's default of 50 MiB). A
+   consumer keeps one answer per assigned partition until it is read, so a consumer that
+   lags held about 6 MiB per partition (serve has three: Faust's, the kept log's
+   journal, the follower). ``fetch_max_bytes`` is capped to ``FETCH_BYTES``: a consumer
+   holds at most about partitions x (``FETCH_BYTES`` + one batch, <= 1 MiB) of fetched
+   records, and reads as fast (measured: 48 MiB over 8 partitions in 0.8 s either way).
 
 Group timing is not a deviation to patch but a setting: see ``stream.worker.app``.
 Nothing here runs against a real Kafka: ``is_tansu`` recognises the broker by its
@@ -41,10 +49,13 @@ from aiokafka.structs import TopicPartition
 from stream.config import KafkaSecurity
 from stream.kafka.fetcher import cap_fetcher_setting
 
-__all__ = ["FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id",
+__all__ = ["FETCH_BYTES", "FETCH_WAIT_MS", "apply_remedies", "cluster_id", "is_tansu", "is_tansu_id",
            "refuse_topic_creation_by_metadata"]
 
 FETCH_WAIT_MS = 10
+#: At most this much asked for in one fetch (remedy 4); a batch bigger than it still comes
+#: whole, alone.
+FETCH_BYTES = 256 * 1024
 
 log = logging.getLogger(__name__)
 _applied = False
@@ -142,8 +153,11 @@ def apply_remedies() -> None:
     if _applied:
         return
     cap_fetcher_setting("fetch_max_wait_ms", 500, FETCH_WAIT_MS)
+    cap_fetcher_setting("fetch_max_bytes", 52_428_800, FETCH_BYTES)
+    cap_fetcher_setting("max_partition_fetch_bytes", 1_048_576, FETCH_BYTES)
     Fetcher.end_offsets = _end_offsets_from_fetch  # type: ignore[method-assign]
     GroupCoordinator._maybe_leave_group = _expire_instead_of_leaving  # type: ignore[method-assign]
     _applied = True
     log.info("embedded Tansu broker detected: end offsets from fetch, fetch wait %d ms, "
-             "stopping members expire instead of leaving the group", FETCH_WAIT_MS)
+             "fetches of %d KiB, stopping members expire instead of leaving the group",
+             FETCH_WAIT_MS, FETCH_BYTES // 1024)

@@ -108,6 +108,10 @@ def test_the_fetcher_settings_mmcache_caps_are_keywords_of_the_real_fetcher():
 
     keywords = inspect.signature(Fetcher.__init__).parameters
     assert {"prefetch_backoff", "fetch_max_wait_ms"} <= set(keywords)
+    # the defaults stream.kafka.tansu caps from (a caller that names none gets these)
+    assert keywords["fetch_max_wait_ms"].default == 500
+    assert keywords["fetch_max_bytes"].default == 52_428_800
+    assert keywords["max_partition_fetch_bytes"].default == 1_048_576
 
 
 @pytest.mark.parametrize("entry", INTERNALS, ids=lambda e: f"{e.owner.rpartition('.')[2]}.{e.name}")
