@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
+from stream import allocator
 from stream.config import Settings
 from stream.core.cache import CacheState
 from stream.http.api import HttpApi
@@ -506,7 +507,8 @@ def build_worker(
                   body_read_timeout_s=settings.body_read_timeout_s)
     http = HttpService(api, settings.host, settings.port,
                        tls_context(settings.tls_cert, settings.tls_key), listening)
-    services: list[mode.Service] = [http, follower, probe, StartTask(ready_from_local_files)]
+    services: list[mode.Service] = [http, follower, probe, StartTask(ready_from_local_files),
+                                    StartTask(allocator.give_back_periodically)]
     if embedded_cluster is not None and rebased is not None:
         services.append(RebaseService(embedded_cluster, settings.embedded_rebase_bytes, rebased))
     worker = faust.Worker(app, *services, loglevel=settings.log_level, quiet=True)
