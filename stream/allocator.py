@@ -6,7 +6,8 @@ only from the heap's top, so memory freed between live objects stays in serve's 
 the soak's traffic a serve's RSS climbed about 300 MiB an hour, and ``malloc_info`` showed
 where: over eight minutes the memory free inside glibc's heaps went from 30 to 57 MiB, the
 memory in use by 10 MiB. ``malloc_trim(0)`` gives back every whole free page of every
-heap; measured in that serve, one call every 30 s took 1-2 ms and gave back 13-14 MiB.
+heap; measured in that serve, one call every 30 s gave back 8-41 MiB in 1-16 ms (half
+of them under 4 ms; the longest while a test run shared the two cores).
 
 Elsewhere than glibc (musl, macOS) there is no such call, and nothing is done.
 """
@@ -45,8 +46,9 @@ def available() -> bool:
 
 def give_back() -> bool:
     """Give every whole free page of the C library's heaps back to the system; whether
-    any was. Each heap is locked while it is walked (1-2 ms for serve's), so call it off
-    the event loop."""
+    any was. Each heap is locked while it is walked, so call it off the event loop: the
+    loop then waits only if it allocates from the heap being walked (its objects over
+    512 bytes come from glibc's main heap)."""
     return bool(_TRIM(0)) if _TRIM is not None else False
 
 

@@ -23,14 +23,17 @@ __all__ = ["PREFETCH_BACKOFF_S", "cap_fetcher_setting", "shorten_prefetch_backof
 PREFETCH_BACKOFF_S = 0.01
 
 
-def cap_fetcher_setting(name: str, default: float, cap: float) -> None:
+def cap_fetcher_setting(name: str, default: float, cap: float, *, only_default: bool = False) -> None:
     """Make every aiokafka ``Fetcher`` made in this process from now on use at most
-    ``cap`` for its keyword setting ``name`` (whose own default is ``default``)."""
+    ``cap`` for its keyword setting ``name`` (whose own default is ``default``); with
+    ``only_default``, a consumer that asked for a value of its own keeps it."""
     original_init = Fetcher.__init__
 
     @functools.wraps(original_init)  # its signature stays the real one (stream.internals' test)
     def init_with_cap(self: Fetcher, *args: Any, **kwargs: Any) -> None:
-        kwargs[name] = min(kwargs.get(name, default), cap)
+        value = kwargs.get(name, default)
+        if not only_default or value == default:
+            kwargs[name] = min(value, cap)
         original_init(self, *args, **kwargs)
 
     Fetcher.__init__ = init_with_cap  # type: ignore[method-assign]

@@ -5,8 +5,10 @@ Each case runs in a process of its own: its RSS is the measure.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -26,7 +28,7 @@ def rss():
 
 rng = random.Random(1)
 kept, freed = [], []
-for n in range(200_000):
+for n in range(60_000):
     (kept if n % 10 == 0 else freed).append(b"x" * rng.randint(600, 5000))
 freed_bytes = sum(map(len, freed))
 freed.clear()
@@ -52,3 +54,20 @@ def test_without_it_the_freed_memory_stays_in_the_process() -> None:
     """The finding, kept: freeing alone does not shrink the RSS."""
     returned, freed = _returned("keep")
     assert returned < freed // 10, f"{returned / 2**20:.0f} of {freed / 2**20:.0f} MiB freed given back"
+
+
+def test_serve_gives_back_periodically_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(allocator, "give_back", lambda: calls.append(threading.get_ident()) or True)
+
+    async def run() -> int:
+        task = asyncio.ensure_future(allocator.give_back_periodically(every_s=0.01))
+        while len(calls) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(run())
+    assert len(calls) >= 3 and loop_thread not in calls
