@@ -62,8 +62,9 @@ def test_serve_gives_back_periodically_off_the_event_loop(monkeypatch: pytest.Mo
 
     async def run() -> int:
         task = asyncio.ensure_future(allocator.give_back_periodically(every_s=0.01))
-        while len(calls) < 3:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(60):  # a bound on the condition, not on a start
+            while len(calls) < 3:
+                await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
