@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import functools
 import gc
@@ -60,6 +59,7 @@ from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from stream import allocator
 from stream.config import Limits
 from stream.http.bodies import READERS, ApiError, match_query
 from stream.metrics import Histogram
@@ -632,14 +632,7 @@ def _give_back_memory() -> None:
     """Free what the last body's parse left (a 16 MiB body of small values makes ~400 MB
     of objects, some in cycles, and glibc keeps freed memory): the child idles at ~40 MB."""
     gc.collect()
-    if _trim is not None:
-        _trim(0)
-
-
-try:
-    _trim: Callable[[int], int] | None = ctypes.CDLL(None).malloc_trim  # glibc
-except (OSError, AttributeError):
-    _trim = None
+    allocator.give_back()
 
 
 def _outcome(reader: Callable[[bytes, Limits], Any], raw: bytes, limits: Limits) -> tuple[bool, Any]:
