@@ -44,6 +44,8 @@ CONNECTIONS = 16
 #: Growth of the resident set past which the attack stops (a server without bounds: the
 #: machine's memory kept).
 RUNAWAY = 1 << 30
+#: ``TCP_CLOSE`` of Linux's ``include/net/tcp_states.h``: a socket reset by its peer.
+_TCP_CLOSE = 7
 
 
 def rss_bytes(pid: int) -> int:
@@ -66,7 +68,8 @@ def serving_process(**knobs: object) -> Iterator[tuple[subprocess.Popen[bytes], 
         port = int(process.stdout.readline())  # type: ignore[union-attr]
         yield process, port
     finally:
-        process.stdin.close()  # type: ignore[union-attr]
+        with contextlib.suppress(BrokenPipeError):  # ended already
+            process.stdin.close()  # type: ignore[union-attr]
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
@@ -74,12 +77,20 @@ def serving_process(**knobs: object) -> Iterator[tuple[subprocess.Popen[bytes], 
             process.wait()
 
 
+def _ask(process: subprocess.Popen[bytes], command: bytes) -> bytes:
+    """The served process's answer to ``command`` (one line each way)."""
+    process.stdin.write(command + b"\n")  # type: ignore[union-attr]
+    process.stdin.flush()  # type: ignore[union-attr]
+    answer = process.stdout.readline()  # type: ignore[union-attr]
+    if not answer:
+        raise RuntimeError(f"the served process ended (exit {process.wait()}) when asked {command!r}")
+    return answer.strip()
+
+
 def _give_back(process: subprocess.Popen[bytes]) -> None:
     """Have the served process give its freed memory back, as serve does periodically
     (``stream.allocator``): the resident set after the attack is then what serve keeps."""
-    process.stdin.write(b"give back\n")  # type: ignore[union-attr]
-    process.stdin.flush()  # type: ignore[union-attr]
-    process.stdout.readline()  # type: ignore[union-attr]
+    _ask(process, b"give back")
 
 
 def _exchange(port: int, raw: bytes) -> bytes:
@@ -103,11 +114,12 @@ def _unacknowledged(sock: socket.socket) -> int:
     return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)), sys.byteorder)
 
 
-def _drained(socks: list[socket.socket], port: int) -> bool:
-    """Whether every byte sent on ``socks`` was read by the server at ``port``: none is left
-    unacknowledged here (Linux's ``SIOCOUTQ``), then none unread in the server's socket
-    (its receive queue in ``/proc/net/tcp``; a socket the server closed has none)."""
-    if any(_unacknowledged(sock) for sock in socks):
+def _drained(socks: list[socket.socket], port: int, process: subprocess.Popen[bytes]) -> bool:
+    """Whether every byte sent on ``socks`` was parsed by the server at ``port``: none is
+    left unacknowledged here (Linux's ``TIOCOUTQ``; a socket the server reset takes no more),
+    none unread in the server's socket (its receive queue in ``/proc/net/tcp``), and none
+    read but not parsed yet in the server (``HttpServer.unparsed_bytes``), in that order."""
+    if any(_unacknowledged(sock) for sock in socks if not _reset(sock)):
         return False
     ours = {sock.getsockname()[1] for sock in socks}
     with open("/proc/net/tcp") as table:
@@ -117,7 +129,12 @@ def _drained(socks: list[socket.socket], port: int) -> bool:
             if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) in ours \
                     and int(queues.split(":")[1], 16):
                 return False
-    return True
+    return _ask(process, b"unparsed") == b"0"
+
+
+def _reset(sock: socket.socket) -> bool:
+    """Whether ``sock`` was reset by its peer (Linux's ``TCP_INFO``: its state is CLOSE)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
 
 
 def _until(condition: object, timeout: float) -> bool:
@@ -182,11 +199,11 @@ def attack(process: subprocess.Popen[bytes], port: int, connections: int = CONNE
         sender.start()
     for sender in senders:
         sender.join()
-    # the server has read everything sent once no attacking socket has bytes on their way
-    # (unacknowledged here, or unread in the server's queue); only then is the count of
+    # the server has parsed everything sent once no attacking socket has bytes on their way
+    # (unacknowledged here, unread or unparsed in the server); only then is the count of
     # refusals final (the bodies' own figures cannot tell: a body's bytes held count its
     # slack, so "every body not refused is whole" would be seen early)
-    whole = not runaway.is_set() and _until(lambda: _drained(socks, port), 60)
+    whole = not runaway.is_set() and _until(lambda: _drained(socks, port, process), 60)
     refusals = metric(port, "mmcache_http_body_budget_refusals_total") or 0
     refused = whole and refusals >= 1 and connections * len(body) * 2 // len(one) > Limits().body_budget
     during = rss_bytes(process.pid)
@@ -235,7 +252,8 @@ def body_attack_figures(runs: int, connections: int = CONNECTIONS, wire: int = W
                "in the service"),
         Figure("body_attack_rss_after", round(after, 1), "MiB", "<= 1.1 x idle", after <= 1.1 * before
                and all(a.closed for a in attacks), round(before, 1), round(after / before, 3),
-               f"once every attacking client closed; over runs {span([a.after / mib for a in attacks], 1)} "
+               f"once every attacking client closed and freed memory was given back (as serve does "
+               f"every {allocator.TRIM_EVERY_S:.0f} s); over runs {span([a.after / mib for a in attacks], 1)} "
                "MiB (control: the idle server before the attack)"),
     ]
 
@@ -255,9 +273,11 @@ async def _serve(knobs: dict[str, object]) -> None:
     port = await server.start("127.0.0.1", 0)
     print(port, flush=True)
     loop = asyncio.get_running_loop()
-    while await loop.run_in_executor(None, sys.stdin.readline):  # a line: give back, as serve
-        allocator.give_back()  # does every TRIM_EVERY_S; the end of input: stop
-        print("given", flush=True)
+    while command := await loop.run_in_executor(None, sys.stdin.readline):  # the end: stop
+        if command == "unparsed\n":
+            print(server.unparsed_bytes(), flush=True)
+        else:  # give freed memory back, as serve does every TRIM_EVERY_S (idle here)
+            print(allocator.give_back(), flush=True)
     await server.close()
 
 

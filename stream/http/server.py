@@ -1104,6 +1104,11 @@ class HttpServer:
         self._sweeper = self.loop.call_later(self.sweep_s, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
 
+    def unparsed_bytes(self) -> int:
+        """Bytes read from the connections and not parsed yet (a turn of the loop parses
+        for ``TURN_S``, the rest waits for the next)."""
+        return sum(len(connection._backlog) for connection in self.connections)
+
     def _sweep(self) -> None:
         """Close the connections whose deadline passed (``_Connection._arm``), or whose
         socket took nothing for too long (``_Connection.write_by``)."""

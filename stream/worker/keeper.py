@@ -17,7 +17,7 @@ from stream.core.events import EngineEventsReported, Event
 from stream.kafka.dead_letters import DeadLetter
 from stream.metrics import Metrics
 from stream.state.preload import LocalPreload
-from stream.state.view_load import load_partition_into_view
+from stream.state.view_load import freeze_the_view, load_partition_into_view
 from stream.worker.table_mirror import Mirror
 from stream.worker.view_marks import ViewMarks, file_mark
 
@@ -178,15 +178,8 @@ class StateKeeper:
                     loaded.append(partition)
                 self.marks.set(partition, through)
         finally:
-            # The view is long-lived: keep the collector from re-scanning it (a full pass
-            # over a 1M-entry view stalled requests for ~80 ms in the latency benchmark).
-            # Only when it took in entries (read them, or a worker's first start with its
-            # preload): freezing takes every object tracked now, and one that later becomes
-            # garbage in a cycle is never collected. A reload that read nothing (after each
-            # rebase of the embedded broker) froze ~1.4k such objects each time (old
-            # connections, fetches, futures), and serve's RSS climbed with the rebases.
-            if loaded or preload is not None:
-                gc.freeze()
+            if preload is not None:  # a worker's first start: its preload's entries are
+                freeze_the_view()  # long-lived too (each partition read froze its own)
             gc.enable()
         log.info("state loaded: %d endpoints from partitions %s (read from the files: %s)",
                  len(self.state.lrus.endpoints), sorted(partitions), sorted(loaded))
