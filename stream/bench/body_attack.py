@@ -253,8 +253,8 @@ def body_attack_figures(runs: int, connections: int = CONNECTIONS, wire: int = W
         Figure("body_attack_rss_after", round(after, 1), "MiB", "<= 1.1 x idle", after <= 1.1 * before
                and all(a.closed for a in attacks), round(before, 1), round(after / before, 3),
                f"once every attacking client closed and freed memory was given back (as serve does "
-               f"every {allocator.TRIM_EVERY_S:.0f} s); over runs {span([a.after / mib for a in attacks], 1)} "
-               "MiB (control: the idle server before the attack)"),
+               f"every {allocator.TRIM_EVERY_S:.0f} s); over runs {span([a.after / mib for a in attacks], 1)}"
+               " MiB (control: the idle server before the attack)"),
     ]
 
 
